@@ -1,0 +1,10 @@
+"""jaxspec: EAGLE-3 speculative decoding for Kimi-K2.5 / DeepSeek-V3 INT4 MoE targets in JAX.
+
+Public API (re-exports only; nothing runs at import time).
+"""
+
+from jaxspec.config import ConfigError, KimiConfig
+from jaxspec.hf import CheckpointError
+from jaxspec.target import Target, load_target
+
+__all__ = ["CheckpointError", "ConfigError", "KimiConfig", "Target", "load_target"]

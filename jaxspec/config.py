@@ -1,0 +1,425 @@
+"""Model configuration: frozen dataclasses read from HF `config.json`, presets, and validation.
+
+`KimiConfig.from_hf_config` accepts the Kimi-K2.5 layout (multimodal, text fields nested in `text_config`,
+`quantization_config` inside it) and the flat Kimi-K2 / K2-Thinking / DeepSeek-V3 layout. Every field is read from the
+file; model code never hard-codes a Kimi value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# HF builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps (1e-6), not the config's rms_norm_eps.
+# vLLM/SGLang use the config eps; we follow HF for parity (spec: kimi-k2.5.md, Reference math).
+LATENT_NORM_EPS = 1e-6
+
+TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+MULTIMODAL_MODEL_TYPES = ("kimi_k25", "kimi_vl")
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a supported model; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (`rope_scaling` / `rope_parameters` with type "yarn")."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Quant:
+    """compressed-tensors pack-quantized INT4 (symmetric, group strategy) for the routed experts."""
+
+    group_size: int = 32
+    num_bits: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiConfig:
+    """The text model of Kimi-K2.5 / K2 / DeepSeek-V3 (DeepseekV3ForCausalLM semantics)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None
+    quant: Int4Quant | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(v, int) or v <= 0) and f.name != "first_k_dense_replace":
+                raise ConfigError(f"{f.name}: expected a positive integer, got {v!r}")
+        checks = [
+            (
+                self.n_routed_experts % self.n_group == 0,
+                "n_group",
+                f"{self.n_group} must divide n_routed_experts",
+            ),
+            (
+                self.topk_group <= self.n_group,
+                "topk_group",
+                f"{self.topk_group} exceeds n_group={self.n_group}",
+            ),
+            (
+                self.num_experts_per_tok <= self.n_routed_experts // self.n_group * self.topk_group,
+                "num_experts_per_tok",
+                f"{self.num_experts_per_tok} exceeds the experts in the kept groups",
+            ),
+            (
+                0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+                "first_k_dense_replace",
+                f"{self.first_k_dense_replace} not in [0, num_hidden_layers={self.num_hidden_layers}]",
+            ),
+            (self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even"),
+        ]
+        if self.quant is not None:
+            g = self.quant.group_size
+            checks += [
+                (self.hidden_size % g == 0, "quantization_config.group_size", f"{g} must divide hidden_size"),
+                (
+                    self.moe_intermediate_size % g == 0,
+                    "quantization_config.group_size",
+                    f"{g} must divide moe_intermediate_size",
+                ),
+                (
+                    self.quant.num_bits == 4,
+                    "quantization_config.num_bits",
+                    f"{self.quant.num_bits}; only 4 is supported",
+                ),
+            ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ConfigError(f"{name}: {msg}")
+
+    # Derived sizes (one place, so model code never recomputes them differently).
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the KV latent plus the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def softmax_scale(self) -> float:
+        """192^-0.5 * mscale^2 with mscale from mscale_all_dim (HF applies it whenever yarn is configured)."""
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_mscale(rs.factor, rs.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        return () if e is None else (e,) if isinstance(e, int) else tuple(e)
+
+    def replace(self, **changes: Any) -> KimiConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> KimiConfig:
+        """Build from a parsed config.json (K2.5 nested layout or the flat K2 / DeepSeek-V3 layout)."""
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"config: expected a JSON object, got {type(cfg).__name__}")
+        model_type = cfg.get("model_type")
+        top = cfg
+        if model_type in MULTIMODAL_MODEL_TYPES or "text_config" in cfg:
+            text = cfg.get("text_config")
+            if not isinstance(text, Mapping):
+                raise ConfigError(f"text_config: model_type {model_type!r} needs a nested text_config object")
+            cfg = text
+            model_type = cfg.get("model_type", "deepseek_v3")
+        if model_type not in TEXT_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type: {model_type!r} is not supported (expected one of "
+                f"{TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES})"
+            )
+
+        def req(name: str, kind: type = int) -> Any:
+            if name not in cfg or cfg[name] is None:
+                raise ConfigError(f"{name}: required field missing from config.json")
+            v = cfg[name]
+            if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ConfigError(f"{name}: expected an integer, got {v!r}")
+            if kind is float and not isinstance(v, int | float):
+                raise ConfigError(f"{name}: expected a number, got {v!r}")
+            return v
+
+        if cfg.get("q_lora_rank") is None:
+            raise ConfigError("q_lora_rank: missing or null (DeepSeek-V2-Lite style q_proj is not supported)")
+        if cfg.get("kv_lora_rank") is None:
+            raise ConfigError("kv_lora_rank: required field missing from config.json (MLA needs a KV latent rank)")
+        heads = req("num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads", heads)
+        if kv_heads != heads:
+            raise ConfigError(f"num_key_value_heads: MLA expects {heads} (= num_attention_heads), got {kv_heads}")
+        for name, expected in (
+            ("scoring_func", "sigmoid"),
+            ("topk_method", "noaux_tc"),
+            ("hidden_act", "silu"),
+        ):
+            if cfg.get(name, expected) != expected:
+                raise ConfigError(f"{name}: only {expected!r} is supported, got {cfg[name]!r}")
+        if cfg.get("moe_layer_freq", 1) != 1:
+            raise ConfigError(f"moe_layer_freq: only 1 is supported, got {cfg['moe_layer_freq']}")
+
+        rope_theta, rope_scaling = _read_rope(cfg)
+        quant = _read_quant(cfg.get("quantization_config") or top.get("quantization_config"))
+
+        def top_or_text(name: str) -> Any:
+            v = top.get(name, cfg.get(name))
+            return tuple(v) if isinstance(v, list) else v
+
+        return cls(
+            vocab_size=req("vocab_size"),
+            hidden_size=req("hidden_size"),
+            intermediate_size=req("intermediate_size"),
+            moe_intermediate_size=req("moe_intermediate_size"),
+            num_hidden_layers=req("num_hidden_layers"),
+            num_attention_heads=heads,
+            q_lora_rank=req("q_lora_rank"),
+            kv_lora_rank=req("kv_lora_rank"),
+            qk_nope_head_dim=req("qk_nope_head_dim"),
+            qk_rope_head_dim=req("qk_rope_head_dim"),
+            v_head_dim=req("v_head_dim"),
+            n_routed_experts=req("n_routed_experts"),
+            num_experts_per_tok=req("num_experts_per_tok"),
+            n_shared_experts=req("n_shared_experts"),
+            first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(req("routed_scaling_factor", float)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            rms_norm_eps=float(req("rms_norm_eps", float)),
+            rope_theta=rope_theta,
+            max_position_embeddings=req("max_position_embeddings"),
+            rope_scaling=rope_scaling,
+            quant=quant,
+            tie_word_embeddings=bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+            bos_token_id=top_or_text("bos_token_id"),
+            eos_token_id=top_or_text("eos_token_id"),
+            pad_token_id=top_or_text("pad_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> KimiConfig:
+        """Read `<path>/config.json` (or a config.json path)."""
+        p = Path(path)
+        p = p / "config.json" if p.is_dir() else p
+        if not p.is_file():
+            raise FileNotFoundError(f"config.json not found at {p}")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from e
+        return cls.from_hf_config(data)
+
+    @classmethod
+    def preset(cls, name: str) -> KimiConfig:
+        """A named, frozen configuration (see PRESETS)."""
+        if name not in PRESETS:
+            raise KeyError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        return PRESETS[name]
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _read_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    # Hub files: top-level rope_theta + rope_scaling. transformers>=5 writes rope_parameters with theta inside.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {}) or params
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ConfigError("rope_theta: required field missing from config.json")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None) or not scaling:
+        return float(theta), None
+    if kind != "yarn":
+        raise ConfigError(f"rope_scaling.type: only 'yarn' (or none) is supported, got {kind!r}")
+    for name in ("factor", "original_max_position_embeddings"):
+        if scaling.get(name) is None:
+            raise ConfigError(f"rope_scaling.{name}: required for yarn")
+    opt = lambda k: None if scaling.get(k) is None else float(scaling[k])  # noqa: E731
+    return float(theta), RopeScaling(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        # HF: `get("beta_fast") or 32`; a 0 means the default there too.
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+        attention_factor=opt("attention_factor"),
+        truncate=bool(scaling.get("truncate", True)),
+    )
+
+
+def _read_quant(q: Mapping[str, Any] | None) -> Int4Quant | None:
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "compressed-tensors":
+        raise ConfigError(
+            f"quantization_config.quant_method: {method!r} is not supported here (expected 'compressed-tensors'; "
+            "FP8 block checkpoints go through jaxspec-convert)"
+        )
+    if q.get("format") not in ("pack-quantized", None):
+        raise ConfigError(f"quantization_config.format: expected 'pack-quantized', got {q.get('format')!r}")
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ConfigError(f"quantization_config.config_groups: expected exactly one group, got {len(groups)}")
+    w = next(iter(groups.values())).get("weights") or {}
+    problems = []
+    if w.get("num_bits") != 4:
+        problems.append(f"num_bits={w.get('num_bits')} (expected 4)")
+    if w.get("type", "int") != "int":
+        problems.append(f"type={w.get('type')!r} (expected 'int')")
+    if not w.get("symmetric", True):
+        problems.append("symmetric=false (expected true)")
+    if w.get("strategy") != "group":
+        problems.append(f"strategy={w.get('strategy')!r} (expected 'group')")
+    if not isinstance(w.get("group_size"), int) or w["group_size"] <= 0:
+        problems.append(f"group_size={w.get('group_size')!r} (expected a positive integer)")
+    if problems:
+        raise ConfigError("quantization_config.config_groups.weights: " + "; ".join(problems))
+    return Int4Quant(group_size=w["group_size"], num_bits=4)
+
+
+_KIMI_K25 = KimiConfig(
+    vocab_size=163840,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=384,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    max_position_embeddings=262144,
+    rope_scaling=RopeScaling(
+        factor=64.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    quant=Int4Quant(group_size=32),
+    bos_token_id=163584,
+    eos_token_id=163585,
+    pad_token_id=163839,
+)
+
+# Small configs with the same structure, for tests and examples. "tiny" is Kimi-like (n_group 1, sigmoid routing,
+# yarn beta_fast 32); "tiny-dsv3" is DeepSeek-V3-like (group-limited routing, n_group 4 / topk_group 2).
+_TINY = KimiConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    max_position_embeddings=1024,
+    rope_scaling=RopeScaling(
+        factor=4.0,
+        original_max_position_embeddings=64,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    quant=Int4Quant(group_size=32),
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+PRESETS: dict[str, KimiConfig] = {
+    "kimi-k2.5": _KIMI_K25,
+    "tiny": _TINY,
+    "tiny-dsv3": _TINY.replace(
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        rope_scaling=RopeScaling(
+            factor=8.0,
+            original_max_position_embeddings=32,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+}

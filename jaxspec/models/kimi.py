@@ -1,0 +1,141 @@
+"""The Kimi-K2.5 / DeepSeek-V3 target model (Flax NNX), written for one device of a manual-SPMD mesh.
+
+`KimiModel.__call__` runs inside `jax.shard_map` over the ("data", "model") mesh: it sees per-device shards of
+every weight (heads, experts, MLP hidden and vocabulary split over "model") and states its collectives:
+one psum for the vocab-split embedding, then per decoder layer exactly two (after attention; after the dense MLP or
+the routed + shared experts), and none for the head (logits stay vocab-split). `jaxspec.target.Target` wraps it in
+shard_map/jit for users; with a 1x1 mesh the same code is the single-device model.
+
+Layers are stacked (leading "layers" axis) and run under `lax.scan`: the dense first layers in one stack, the MoE
+layers in another.
+
+Hidden-state capture convention (the project's ONE convention, used by the drafter and training too):
+    layer id k means "the residual stream at the OUTPUT of decoder layer k", 0-indexed,
+which is HF `output_hidden_states[k + 1]` for k < num_hidden_layers - 1 (HF's last entry has the final norm applied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.config import KimiConfig
+from jaxspec.models import quant, rope
+from jaxspec.models.layers import ones, param, rms_norm
+from jaxspec.models.mla import MLA, AttnImpl
+from jaxspec.models.moe import MLP, MoE
+from sharding.mesh import MODEL
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: KimiConfig, dtype: jnp.dtype, moe: bool, int4_experts: bool, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.input_norm = param(rngs, (D,), ("embed",), dtype, ones)
+        self.post_attn_norm = param(rngs, (D,), ("embed",), dtype, ones)
+        self.attn = MLA(cfg, dtype, rngs)
+        self.mlp = MoE(cfg, dtype, int4_experts, rngs) if moe else MLP(D, cfg.intermediate_size, dtype, rngs)
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x_BTD, cos_sin, pos_BT, cache_BSK, impl: AttnImpl):
+        B, T, D = x_BTD.shape
+        with jax.named_scope("attention"):
+            attn_BTD, cache_BSK = self.attn(
+                rms_norm(x_BTD, self.input_norm[...], self.eps), cos_sin, pos_BT, cache_BSK, impl
+            )
+            h_BTD = x_BTD + jax.lax.psum(attn_BTD, MODEL).astype(x_BTD.dtype)
+        with jax.named_scope("mlp"):
+            y_MD = self.mlp(rms_norm(h_BTD, self.post_attn_norm[...], self.eps).reshape(B * T, D))
+            out_BTD = h_BTD + jax.lax.psum(y_MD, MODEL).astype(x_BTD.dtype).reshape(B, T, D)
+        return out_BTD, cache_BSK
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """n copies of a module with every weight stacked on a leading "layers" axis (for lax.scan)."""
+    keys = jax.random.split(rngs.params(), n)
+    stack = nnx.vmap(lambda k: make(nnx.Rngs(params=k)), in_axes=0, out_axes=0)(keys)
+    for _, var in nnx.to_flat_state(nnx.state(stack)):
+        var.set_metadata(logical_axes=("layers", *var.get_metadata()["logical_axes"]))
+    return stack
+
+
+class KimiModel(nnx.Module):
+    def __init__(
+        self,
+        cfg: KimiConfig,
+        *,
+        dtype: jnp.dtype = jnp.bfloat16,
+        int4_experts: bool | None = None,
+        rngs: nnx.Rngs,
+    ):
+        int4_experts = cfg.quant is not None if int4_experts is None else int4_experts
+        D, V, k = cfg.hidden_size, cfg.vocab_size, cfg.first_k_dense_replace
+        self.config = cfg
+        self.dtype = dtype
+        self.int4_experts = int4_experts
+        self.embed = param(rngs, (V, D), ("vocab", "embed"), dtype)
+        self.dense_layers = stacked(lambda r: DecoderLayer(cfg, dtype, False, False, r), k, rngs) if k else None
+        n_moe = cfg.num_moe_layers
+        self.moe_layers = (
+            stacked(lambda r: DecoderLayer(cfg, dtype, True, int4_experts, r), n_moe, rngs) if n_moe else None
+        )
+        self.final_norm = param(rngs, (D,), ("embed",), dtype, ones)
+        self.lm_head = param(rngs, (D, V), ("embed", "vocab"), dtype)
+        self.rope_freqs, self.rope_factor = rope.inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_freqs = tuple(float(f) for f in self.rope_freqs)  # static: keep numpy out of the graph state
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        pos_BT: jax.Array,
+        cache_LBSK: jax.Array | None = None,
+        *,
+        capture: Sequence[int] = (),
+        impl: AttnImpl = "expanded",
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """Per-device forward. Returns (local logits [B,T,V/model], updated cache, captured [X,B,T,D])."""
+        B, T = tokens_BT.shape
+        with jax.named_scope("embed"):
+            x_BTD = embed_lookup(self.embed[...], tokens_BT)
+        cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
+        capture_X = jnp.asarray(tuple(capture) or (-1,), jnp.int32)
+        # zeros_like keeps x's manual-axis variance (it varies over "data"), as the scan carry requires.
+        captured_XBTD = jnp.repeat(jnp.zeros_like(x_BTD)[None], len(capture_X), axis=0)
+
+        carry = (x_BTD, cache_LBSK, captured_XBTD)
+        first = 0
+        for stack in (self.dense_layers, self.moe_layers):
+            if stack is None:
+                continue
+            graphdef, params = nnx.split(stack)
+            n = jax.tree.leaves(params)[0].shape[0]
+
+            def body(carry, xs, graphdef=graphdef):
+                x, cache, captured = carry
+                layer_params, layer_id = xs
+                layer = nnx.merge(graphdef, layer_params)
+                layer_cache = None if cache is None else cache[layer_id]
+                x, layer_cache = layer(x, cos_sin, pos_BT, layer_cache, impl)
+                if cache is not None:
+                    cache = jax.lax.dynamic_update_index_in_dim(cache, layer_cache, layer_id, 0)
+                captured = jnp.where((capture_X == layer_id)[:, None, None, None], x[None], captured)
+                return (x, cache, captured), None
+
+            carry, _ = jax.lax.scan(body, carry, (params, first + jnp.arange(n, dtype=jnp.int32)))
+            first += n
+        x_BTD, cache_LBSK, captured_XBTD = carry
+        with jax.named_scope("head"):
+            h_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps)
+            logits_BTV = quant.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...])
+        return logits_BTV, cache_LBSK, captured_XBTD[: len(capture)]
+
+
+def embed_lookup(table_VD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+    """Vocab-split lookup: each device serves the ids in its row range, one psum assembles the rows."""
+    V_local = table_VD.shape[0]
+    local_BT = tokens_BT - jax.lax.axis_index(MODEL) * V_local
+    mine_BT = (local_BT >= 0) & (local_BT < V_local)
+    rows_BTD = jnp.take(table_VD, jnp.clip(local_BT, 0, V_local - 1), axis=0)
+    return jax.lax.psum(jnp.where(mine_BT[..., None], rows_BTD, 0), MODEL)

@@ -1,0 +1,272 @@
+"""The loaded target model: parameters placed on a mesh, and compiled entry points around `KimiModel`.
+
+`Target.apply` is the shard_map'd forward (use it inside your own jit, e.g. the speculative loop); `logits`,
+`hidden_states` and `forward` are jitted conveniences for users and tests. Shapes are per call; jit caches one
+program per distinct (shape, capture, impl).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.config import KimiConfig
+from jaxspec.models.kimi import KimiModel
+from jaxspec.models.mla import AttnImpl
+from jaxspec.models.quant import Int4Array
+from sharding.mesh import DATA, MODEL, single_device_mesh
+from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
+
+# Above this many query tokens a call attends in the expanded (prefill) form, at or below it in the absorbed form.
+ABSORBED_MAX_TOKENS = 16
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+    """A Kimi/DeepSeek-V3 target on a mesh. Build with `load_target`, `Target.random` or `Target.abstract`."""
+
+    config: KimiConfig
+    mesh: Mesh
+    graphdef: Any
+    params: Any  # nnx.State of jax.Arrays (or ShapeDtypeStructs for an abstract target)
+    rules: ShardingRules = DEFAULT_RULES
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _abstract_model(cfg: KimiConfig, dtype, int4_experts: bool | None) -> nnx.Module:
+        return nnx.eval_shape(lambda: KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rngs=nnx.Rngs(0)))
+
+    @classmethod
+    def param_specs(cls, params: Any, rules: ShardingRules = DEFAULT_RULES) -> Any:
+        """PartitionSpec per parameter, from each weight's declared logical axes."""
+        return jax.tree.map(lambda v: rules.spec(v.get_metadata()["logical_axes"]), params, is_leaf=_is_var)
+
+    @classmethod
+    def random(
+        cls,
+        cfg: KimiConfig,
+        *,
+        mesh: Mesh | None = None,
+        dtype=jnp.bfloat16,
+        int4_experts: bool | None = None,
+        seed: int = 0,
+        rules: ShardingRules = DEFAULT_RULES,
+    ) -> Target:
+        """Randomly initialised weights, created directly in their shardings."""
+        mesh = mesh or single_device_mesh()
+        _check_mesh(cfg, mesh, rules)
+        graphdef, abstract = nnx.split(cls._abstract_model(cfg, dtype, int4_experts))
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cls.param_specs(abstract, rules))
+        make = lambda: nnx.state(KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rngs=nnx.Rngs(seed)))  # noqa: E731
+        params = jax.jit(make, out_shardings=shardings)()
+        return cls(cfg, mesh, graphdef, params, rules)
+
+    @classmethod
+    def abstract(
+        cls,
+        cfg: KimiConfig,
+        *,
+        mesh: Mesh | None = None,
+        dtype=jnp.bfloat16,
+        int4_experts: bool | None = None,
+        rules: ShardingRules = DEFAULT_RULES,
+    ) -> Target:
+        """Shapes, dtypes and shardings only: for lowering/compiling the real model without allocating it."""
+        mesh = mesh or single_device_mesh()
+        _check_mesh(cfg, mesh, rules)
+        graphdef, abstract = nnx.split(cls._abstract_model(cfg, dtype, int4_experts))
+        specs = cls.param_specs(abstract, rules)
+        params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+            abstract,
+            specs,
+        )
+        return cls(cfg, mesh, graphdef, params, rules)
+
+    def on_mesh(self, mesh: Mesh) -> Target:
+        """The same weights placed on another mesh (e.g. 1 device -> 1x8)."""
+        _check_mesh(self.config, mesh, self.rules)
+        specs = self.param_specs(self.params, self.rules)
+        params = jax.device_put(self.params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        return dataclasses.replace(self, mesh=mesh, params=params)
+
+    # ------------------------------------------------------------------ the sharded forward
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.params["embed"].get_value().dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def cache_spec(self) -> P:
+        return P(None, self.rules.batch, None, None)
+
+    def apply(
+        self,
+        params,
+        tokens_BT,
+        pos_BT,
+        cache_LBSK=None,
+        *,
+        capture: Sequence[int] = (),
+        impl: AttnImpl | None = None,
+    ):
+        """Sharded forward (traceable; call inside jit). Returns (logits [B,T,V], cache, captured [X,B,T,D])."""
+        impl = impl or ("absorbed" if tokens_BT.shape[1] <= ABSORBED_MAX_TOKENS else "expanded")
+        batch, capture = self.rules.batch, tuple(int(c) for c in capture)
+        cache_spec = None if cache_LBSK is None else self.cache_spec()
+
+        def local(params, tokens, pos, cache):
+            model = nnx.merge(self.graphdef, params)
+            return model(tokens, pos, cache, capture=capture, impl=impl)
+
+        reshard = lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
+        tokens_BT, pos_BT = reshard(tokens_BT, P(batch, None)), reshard(pos_BT, P(batch, None))
+        cache_LBSK = reshard(cache_LBSK, cache_spec)
+        fn = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(self.param_specs(params, self.rules), P(batch, None), P(batch, None), cache_spec),
+            out_specs=(P(batch, None, MODEL), cache_spec, P(None, batch, None, None)),
+        )
+        return fn(params, tokens_BT, pos_BT, cache_LBSK)
+
+    # ------------------------------------------------------------------ user entry points
+    def logits(self, token_ids) -> jax.Array:
+        """Full forward, no cache: logits [B, T, V] for token ids [B, T] (or [T])."""
+        tokens = self._tokens(token_ids)
+        return _jit_logits(self, self.params, tokens)
+
+    def hidden_states(self, token_ids, layers: Sequence[int]) -> tuple[jax.Array, ...]:
+        """Residual streams at the OUTPUT of each decoder layer in `layers` (0-indexed), each [B, T, D]."""
+        layers = tuple(int(x) for x in layers)
+        bad = [x for x in layers if not 0 <= x < self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"layers {bad} out of range [0, {self.config.num_hidden_layers})")
+        captured = _jit_hidden(self, self.params, self._tokens(token_ids), layers)
+        return tuple(captured[i] for i in range(len(layers)))
+
+    def init_cache(self, batch: int, max_len: int) -> jax.Array:
+        """Zeroed latent cache [L, B, S, kv_lora_rank + qk_rope_head_dim] in the model dtype."""
+        cfg = self.config
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim)
+        return jax.device_put(jnp.zeros(shape, self.dtype), NamedSharding(self.mesh, self.cache_spec()))
+
+    def forward(self, token_ids, positions, cache, *, capture: Sequence[int] = (), impl: AttnImpl | None = None):
+        """One cached step: write T tokens at `positions` [B, T] (contiguous per sequence) and return
+        (logits [B,T,V], new cache, captured [X,B,T,D]). The input cache is donated."""
+        tokens = self._tokens(token_ids)
+        pos = jnp.asarray(positions, jnp.int32)
+        if pos.shape != tokens.shape:
+            raise ValueError(f"positions: expected shape {tokens.shape}, got {pos.shape}")
+        if cache.shape[2] < int(jnp.max(pos)) + 1:
+            raise ValueError(f"cache holds {cache.shape[2]} positions, step writes up to {int(jnp.max(pos))}")
+        return _jit_forward(self, self.params, tokens, pos, cache, tuple(capture), impl)
+
+    def _tokens(self, token_ids) -> jax.Array:
+        arr = np.asarray(token_ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(
+                f"token ids: expected a non-empty integer array [B, T], got shape {arr.shape} dtype {arr.dtype}"
+            )
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}); got min {lo}, max {hi}")
+        data = self.mesh.shape[DATA]
+        if arr.shape[0] % data:
+            raise ValueError(f"batch {arr.shape[0]} is not divisible by the mesh's data axis ({data})")
+        return jnp.asarray(arr, jnp.int32)
+
+    def __hash__(self) -> int:  # jit static argument: identity
+        return id(self)
+
+
+# The Target is a static (hashed by identity) argument; its parameters are passed as arguments, never closed over.
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_logits(target: Target, params, tokens):
+    return _run(target, params, tokens)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _jit_hidden(target: Target, params, tokens, layers):
+    return _run(target, params, tokens, capture=layers)[2]
+
+
+def _run(target, params, tokens, capture=()):
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return target.apply(params, tokens, pos, None, capture=capture, impl="expanded")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=4)
+def _jit_forward(target, params, tokens, pos, cache, capture, impl):
+    return target.apply(params, tokens, pos, cache, capture=capture, impl=impl)
+
+
+def _check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules) -> None:
+    check_divisible(
+        mesh,
+        {
+            "heads": cfg.num_attention_heads,
+            "experts": cfg.n_routed_experts,
+            "vocab": cfg.vocab_size,
+            "mlp": cfg.intermediate_size,
+        },
+        rules,
+    )
+    check_divisible(mesh, {"mlp": cfg.moe_intermediate_size * cfg.n_shared_experts}, rules)
+
+
+def load_target(
+    path: str | Path, *, mesh: Mesh | None = None, dtype=jnp.bfloat16, rules: ShardingRules = DEFAULT_RULES
+) -> Target:
+    """Load an HF-layout checkpoint directory (config.json + safetensors; bf16 or INT4 pack-quantized experts)."""
+    from jaxspec.hf import read_params
+
+    cfg = KimiConfig.from_pretrained(path)
+    mesh = mesh or single_device_mesh()
+    _check_mesh(cfg, mesh, rules)
+    int4 = cfg.quant is not None
+    graphdef, abstract = nnx.split(Target._abstract_model(cfg, dtype, int4))
+    host = read_params(path, cfg, int4_experts=int4, dtype=np.dtype(jnp.dtype(dtype)))
+    flat_host = dict(_flatten(host))
+
+    def place(path_, var):
+        expect, value = var.get_value(), flat_host[path_]
+        if isinstance(expect, Int4Array):
+            arr = Int4Array(
+                jnp.asarray(value.q, jnp.int4),
+                jnp.asarray(value.scale, expect.scale.dtype),
+                expect.group_size,
+            )
+        else:
+            arr = jnp.asarray(value, expect.dtype)
+        spec = rules.spec(var.get_metadata()["logical_axes"])
+        return path_, var.replace(jax.device_put(arr, NamedSharding(mesh, spec)))
+
+    params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
+    return Target(cfg, mesh, graphdef, params, rules)
+
+
+def _flatten(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, (*prefix, k))
+        else:
+            yield (*prefix, k), v

@@ -1,0 +1,39 @@
+"""Mesh construction: a ("data", "model") mesh over local or global devices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+
+
+def parse_shape(shape: str | Sequence[int]) -> tuple[int, int]:
+    """'1x8' or (1, 8) -> (data, model)."""
+    if isinstance(shape, str):
+        try:
+            parts = tuple(int(p) for p in shape.lower().split("x"))
+        except ValueError:
+            parts = ()
+    else:
+        parts = tuple(int(p) for p in shape)
+    if len(parts) != 2 or min(parts) < 1:
+        raise ValueError(f"mesh shape: expected 'DATAxMODEL' like '1x8' or '2x4', got {shape!r}")
+    return parts  # type: ignore[return-value]
+
+
+def make_mesh(shape: str | Sequence[int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 2-D mesh (data, model). Default: all devices on the model axis (1 x N)."""
+    devices = list(jax.devices() if devices is None else devices)
+    data, model = parse_shape(shape) if shape is not None else (1, len(devices))
+    if data * model != len(devices):
+        raise ValueError(f"mesh shape {data}x{model} needs {data * model} devices, {len(devices)} available")
+    return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=(AxisType.Explicit,) * 2)
+
+
+def single_device_mesh() -> Mesh:
+    return make_mesh((1, 1), jax.devices()[:1])

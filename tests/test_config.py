@@ -1,0 +1,88 @@
+import json
+
+import pytest
+
+from jaxspec.config import ConfigError, KimiConfig
+from tests.reference.hf_tiny import hf_config
+
+K25_TEXT = {
+    "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.827, "norm_topk_prob": True, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0, "max_position_embeddings": 262144,
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
+        "ignore": ["lm_head", "re:.*self_attn.*"],
+    },
+}
+K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": K25_TEXT,
+       "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839}
+
+
+def test_k25_nested_layout_equals_preset():
+    assert KimiConfig.from_hf_config(K25) == KimiConfig.preset("kimi-k2.5")
+
+
+def test_flat_k2_layout_with_top_level_quant():
+    flat = {k: v for k, v in K25_TEXT.items() if k != "quantization_config"}
+    flat |= {"model_type": "deepseek_v3", "quantization_config": K25_TEXT["quantization_config"],
+             "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839}
+    assert KimiConfig.from_hf_config(flat) == KimiConfig.preset("kimi-k2.5")
+
+
+def test_transformers5_rope_parameters_layout():
+    cfg = KimiConfig.from_hf_config(json.loads(hf_config("dsv3").to_json_string()))
+    assert cfg.rope_theta == 50000.0 and cfg.rope_scaling.factor == 8.0
+    assert (cfg.n_group, cfg.topk_group, cfg.quant) == (4, 2, None)
+
+
+def test_softmax_scale_matches_spec():
+    assert KimiConfig.preset("kimi-k2.5").softmax_scale == pytest.approx(0.1446796, abs=1e-7)
+
+
+def test_beta_fast_is_read_not_assumed():
+    text = dict(K25_TEXT, rope_scaling=dict(K25_TEXT["rope_scaling"], beta_fast=1.0))
+    assert KimiConfig.from_hf_config(dict(K25, text_config=text)).rope_scaling.beta_fast == 1.0
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"model_type": "llama"}, "model_type: 'llama' is not supported"),
+        ({"hidden_size": None}, "hidden_size: required field missing"),
+        ({"kv_lora_rank": None}, "kv_lora_rank: required field missing"),
+        ({"n_group": 5}, "n_group: 5 must divide n_routed_experts"),
+        ({"num_key_value_heads": 8}, "num_key_value_heads: MLA expects 64"),
+        ({"scoring_func": "softmax"}, "scoring_func: only 'sigmoid'"),
+        ({"vocab_size": "big"}, "vocab_size: expected an integer"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "original_max_position_embeddings: required"),
+    ],
+)
+def test_bad_config_names_the_field(change, match):
+    text = {k: v for k, v in {**K25_TEXT, **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=match):
+        KimiConfig.from_hf_config(dict(K25, text_config=text))
+
+
+def test_unknown_top_level_model_type():
+    with pytest.raises(ConfigError, match="model_type: 'bert'"):
+        KimiConfig.from_hf_config({"model_type": "bert"})
+
+
+def test_bad_quantization_config():
+    q = json.loads(json.dumps(K25_TEXT["quantization_config"]))
+    q["config_groups"]["group_0"]["weights"].update(num_bits=8, strategy="channel")
+    with pytest.raises(ConfigError, match=r"num_bits=8 .*strategy='channel'"):
+        KimiConfig.from_hf_config(dict(K25, text_config=dict(K25_TEXT, quantization_config=q)))
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        KimiConfig.from_pretrained(tmp_path)
