@@ -163,7 +163,7 @@ class _Reader:
 def read_params(path: str | Path, cfg: KimiConfig, *, int4_experts: bool, dtype: np.dtype) -> dict[str, Any]:
     """Read an HF checkpoint into a nested dict shaped like `nnx.state(KimiModel)` (numpy leaves).
 
-    Non-expert weights are cast to `dtype`; INT4 experts stay int4 (ml_dtypes.int4) with scales in `dtype`.
+    Non-expert weights are cast to `dtype`; INT4 experts stay int4 (ml_dtypes.int4) with their stored scales.
     """
     from jaxspec.models.quant import Int4Array
 
@@ -245,7 +245,8 @@ def _read_experts(reader: _Reader, cfg: KimiConfig, layer: int, proj: str, int4:
         return None
     if not int4:
         return cast(np.stack(mats))
-    return Int4Array(np.stack(mats).astype(ml_dtypes.int4), cast(np.stack(scales)), cfg.quant.group_size)
+    # Scales keep their stored dtype: a weight is bf16(q * scale) whatever the compute dtype (see quant.py).
+    return Int4Array(np.stack(mats).astype(ml_dtypes.int4), np.stack(scales), cfg.quant.group_size)
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:

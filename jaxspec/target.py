@@ -89,12 +89,14 @@ class Target:
         mesh = mesh or single_device_mesh()
         _check_mesh(cfg, mesh, rules)
         graphdef, abstract = nnx.split(cls._abstract_model(cfg, dtype, int4_experts))
-        specs = cls.param_specs(abstract, rules)
-        params = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-            abstract,
-            specs,
-        )
+
+        def with_sharding(var, spec):
+            sharding = NamedSharding(mesh, spec)
+            return var.replace(
+                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), var.get_value())
+            )
+
+        params = jax.tree.map(with_sharding, abstract, cls.param_specs(abstract, rules), is_leaf=_is_var)
         return cls(cfg, mesh, graphdef, params, rules)
 
     def on_mesh(self, mesh: Mesh) -> Target:

@@ -171,9 +171,7 @@ def _load_dir(path: Path) -> dict[str, torch.Tensor]:
 )
 def test_write_int4_checkpoint(hf_checkpoint: Path, tmp_path: Path, kimi: bool, num_shards: int) -> None:
     dst = tmp_path / "int4"
-    deq = write_int4_checkpoint(
-        hf_checkpoint, dst, kimi_k25_layout=kimi, num_shards=num_shards, vision_tensors=kimi
-    )
+    deq = write_int4_checkpoint(hf_checkpoint, dst, kimi_k25_layout=kimi, num_shards=num_shards, vision_tensors=kimi)
     src = load_file(hf_checkpoint / "model.safetensors")
     out = _load_dir(dst)
     prefix = "language_model." if kimi else ""

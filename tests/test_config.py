@@ -6,24 +6,64 @@ from jaxspec.config import ConfigError, KimiConfig
 from tests.reference.hf_tiny import hf_config
 
 K25_TEXT = {
-    "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
-    "routed_scaling_factor": 2.827, "norm_topk_prob": True, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-    "rope_theta": 50000.0, "max_position_embeddings": 262144,
-    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 262144,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
     "quantization_config": {
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+            }
+        },
         "ignore": ["lm_head", "re:.*self_attn.*"],
     },
 }
-K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": K25_TEXT,
-       "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839}
+K25 = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "text_config": K25_TEXT,
+    "tie_word_embeddings": False,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "pad_token_id": 163839,
+}
 
 
 def test_k25_nested_layout_equals_preset():
@@ -32,8 +72,13 @@ def test_k25_nested_layout_equals_preset():
 
 def test_flat_k2_layout_with_top_level_quant():
     flat = {k: v for k, v in K25_TEXT.items() if k != "quantization_config"}
-    flat |= {"model_type": "deepseek_v3", "quantization_config": K25_TEXT["quantization_config"],
-             "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839}
+    flat |= {
+        "model_type": "deepseek_v3",
+        "quantization_config": K25_TEXT["quantization_config"],
+        "bos_token_id": 163584,
+        "eos_token_id": 163585,
+        "pad_token_id": 163839,
+    }
     assert KimiConfig.from_hf_config(flat) == KimiConfig.preset("kimi-k2.5")
 
 

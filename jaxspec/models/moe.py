@@ -34,7 +34,7 @@ class MLP(nnx.Module):
 def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, int, int], axes, dtype, group_size: int | None) -> nnx.Param:
     p = param(rngs, shape, axes, dtype if group_size is None else jnp.float32)
     if group_size is not None:
-        p.set_value(quant.quantize(p.get_value(), group_size, dtype))
+        p.set_value(quant.quantize(p.get_value(), group_size))
     return p
 
 

@@ -12,6 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+# compressed-tensors stores Kimi's group scales in bf16; a weight means bf16(q * scale) whatever the compute dtype.
+SCALE_DTYPE = jnp.bfloat16
+
 
 @struct.dataclass
 class Int4Array:
@@ -30,10 +33,11 @@ class Int4Array:
         return len(self.q.shape)
 
     def dequantize(self, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+        """q * scale, exact in fp32, rounded once to the scale dtype (the checkpoint's meaning), then to `dtype`."""
         *lead, i, o = self.q.shape
         g = self.group_size
         w = self.q.astype(jnp.float32).reshape(*lead, i // g, g, o) * self.scale.astype(jnp.float32)[..., None, :]
-        return w.reshape(*lead, i, o).astype(dtype)
+        return w.reshape(*lead, i, o).astype(self.scale.dtype).astype(dtype)
 
     def __getitem__(self, idx) -> Int4Array:
         """Index leading (non-matrix) axes, e.g. a layer or a gather of experts."""
@@ -60,7 +64,7 @@ def einsum(spec: str, x: jax.Array, w: Weight, *, dtype: jnp.dtype | None = None
     return out if dtype is None else out.astype(dtype)
 
 
-def quantize(w: jax.Array | np.ndarray, group_size: int, scale_dtype: jnp.dtype = jnp.bfloat16) -> Int4Array:
+def quantize(w: jax.Array | np.ndarray, group_size: int, scale_dtype: jnp.dtype = SCALE_DTYPE) -> Int4Array:
     """Symmetric group quantisation of a [..., I, O] weight (scale = group max|w| / 7), as compressed-tensors does."""
     w = jnp.asarray(w, jnp.float32)
     *lead, i, o = w.shape

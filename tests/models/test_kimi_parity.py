@@ -35,8 +35,11 @@ def test_fp32_logits_and_hidden_states_match_hf(hf_checkpoint, kind):
 def _routing(model, tokens):
     """Top-k expert sets per MoE layer chosen by the HF router (forward hooks)."""
     picks = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: picks.append(out[2].sort(-1).values))
-             for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: picks.append(out[2].sort(-1).values))
+        for m in model.modules()
+        if type(m).__name__ == "DeepseekV3TopkRouter"
+    ]
     with torch.no_grad():
         model(torch.as_tensor(tokens))
     for h in hooks:
@@ -53,8 +56,10 @@ def test_bf16_error_is_no_worse_than_hf_bf16(hf_checkpoint, kind, record_propert
     hf_bf16 = model.to(torch.bfloat16)
     try:
         hf_err = rel_err(hf_forward(hf_bf16, TOKENS).logits.float().numpy(), ref)
-        flips = sum(int((a != b).any(-1).sum()) for a, b in zip(_routing(model, TOKENS), _routing(
-            model.float(), TOKENS), strict=True))
+        flips = sum(
+            int((a != b).any(-1).sum())
+            for a, b in zip(_routing(model, TOKENS), _routing(model.float(), TOKENS), strict=True)
+        )
     finally:
         model.float()
     ours = rel_err(load_target(path, dtype=jnp.bfloat16).logits(TOKENS).astype(jnp.float32), ref)
