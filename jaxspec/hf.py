@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -163,7 +162,7 @@ class _Reader:
 def read_params(path: str | Path, cfg: KimiConfig, *, int4_experts: bool, dtype: np.dtype) -> dict[str, Any]:
     """Read an HF checkpoint into a nested dict shaped like `nnx.state(KimiModel)` (numpy leaves).
 
-    Non-expert weights are cast to `dtype`; INT4 experts stay int4 (ml_dtypes.int4) with their stored scales.
+    Non-expert weights are cast to `dtype`; INT4 experts stay 4-bit (`Int4Array`) with their stored scales.
     """
     from jaxspec.models.quant import Int4Array
 
@@ -246,7 +245,7 @@ def _read_experts(reader: _Reader, cfg: KimiConfig, layer: int, proj: str, int4:
     if not int4:
         return cast(np.stack(mats))
     # Scales keep their stored dtype: a weight is bf16(q * scale) whatever the compute dtype (see quant.py).
-    return Int4Array(np.stack(mats).astype(ml_dtypes.int4), np.stack(scales), cfg.quant.group_size)
+    return Int4Array.from_values(np.stack(mats), np.stack(scales), cfg.quant.group_size)
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -279,7 +278,7 @@ def _stack(per_layer: list[dict], int4_type) -> dict | None:
             _set(
                 out,
                 path,
-                int4_type(np.stack([v.q for v in vals]), np.stack([v.scale for v in vals]), first.group_size),
+                int4_type(np.stack([v.packed for v in vals]), np.stack([v.scale for v in vals]), first.group_size),
             )
         else:
             _set(out, path, np.stack(vals))

@@ -253,7 +253,7 @@ def load_target(
         expect, value = var.get_value(), flat_host[path_]
         if isinstance(expect, Int4Array):
             arr = Int4Array(
-                jnp.asarray(value.q, jnp.int4),
+                jnp.asarray(value.packed, jnp.uint8),
                 jnp.asarray(value.scale, expect.scale.dtype),
                 expect.group_size,
             )

@@ -38,7 +38,7 @@ def test_int4_checkpoint_equals_dequantised_model(int4_pair):
     int4 = load_target(int4_dir, dtype=jnp.float32)
     dense = load_target(dense_dir, dtype=jnp.float32)
     experts = int4.params["moe_layers"]["mlp"]["gate"].get_value()
-    assert isinstance(experts, Int4Array) and experts.q.dtype == jnp.int4  # INT4 stays INT4 on device
+    assert isinstance(experts, Int4Array) and experts.packed.dtype == jnp.uint8  # INT4 stays 4-bit on device
     assert int4.config.quant is not None and dense.config.quant is None
     ours, ref = np.asarray(int4.logits(TOKENS)), np.asarray(dense.logits(TOKENS))
     np.testing.assert_allclose(ours, ref, atol=1e-5 * ref.std())

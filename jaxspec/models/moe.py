@@ -100,35 +100,40 @@ def route(
     return idx_MK, w_MK * scaling
 
 
+# Active experts are computed this many at a time, so the dequantised weights alive at once stay bounded
+# (8 Kimi experts: 3 x 8 x 2048 x 7168 bf16 = 0.7 GB) however many tokens a step carries.
+EXPERT_CHUNK = 8
+
+
 def routed_experts(
-    x_MD: jax.Array,
-    idx_MK: jax.Array,
-    w_MK: jax.Array,
-    gate: quant.Weight,
-    up: quant.Weight,
-    down: quant.Weight,
+    x_MD: jax.Array, idx_MK: jax.Array, w_MK: jax.Array, gate: quant.Weight, up: quant.Weight, down: quant.Weight
 ) -> jax.Array:
     """This device's experts' weighted outputs (partial sum over experts, fp32 [M, D]).
 
     Only experts that some token picked are computed: with M tokens at most M*K local experts are active, so a
-    static capacity of min(E_local, M*K) is exact. Decode and verify (small M) then touch and dequantise a handful
-    of experts, not all of them; prefill computes every local expert over the chunk.
+    static capacity of min(E_local, M*K) (rounded up to whole chunks) is exact. Decode and verify (small M) touch and
+    dequantise a handful of experts, not all of them; chunks of EXPERT_CHUNK bound the temporaries for large M.
     """
     M, K = idx_MK.shape
     E_local = gate.shape[0]
     first = jax.lax.axis_index(MODEL) * E_local
-    local_MK = idx_MK - first
     # combine_ME[m, e]: routing weight of token m for local expert e (0 when not routed here).
-    combine_ME = jnp.einsum("MK,MKE->ME", w_MK, jax.nn.one_hot(local_MK, E_local, dtype=jnp.float32))
-    capacity = min(E_local, M * K)
-    if capacity < E_local:
-        hits_E = jnp.sum(combine_ME != 0, axis=0)
-        active_C = jax.lax.top_k(hits_E, capacity)[1]
-        gate, up, down = (_take(w, active_C) for w in (gate, up, down))
-        combine_ME = jnp.take(combine_ME, active_C, axis=1)
-    h_EMF = swiglu(quant.einsum("MD,EDF->EMF", x_MD, gate), quant.einsum("MD,EDF->EMF", x_MD, up))
-    y_EMD = quant.einsum("EMF,EFD->EMD", h_EMF, down, dtype=jnp.float32)
-    return jnp.einsum("EMD,ME->MD", y_EMD, combine_ME)
+    combine_ME = jnp.einsum("MK,MKE->ME", w_MK, jax.nn.one_hot(idx_MK - first, E_local, dtype=jnp.float32))
+    chunk = min(EXPERT_CHUNK, E_local)
+    n_chunks = -(-min(E_local, M * K) // chunk)
+    # Local experts ordered by how many tokens picked them: every active expert lands in the first chunks.
+    order_E = jax.lax.top_k(jnp.sum(combine_ME != 0, axis=0), E_local)[1]
+    active_NC = order_E[: n_chunks * chunk].reshape(n_chunks, chunk)
+
+    def one_chunk(acc_MD, ids_C):
+        g, u, d = (_take(w, ids_C) for w in (gate, up, down))
+        h_CMF = swiglu(quant.einsum("MD,CDF->CMF", x_MD, g), quant.einsum("MD,CDF->CMF", x_MD, u))
+        y_CMD = quant.einsum("CMF,CFD->CMD", h_CMF, d, dtype=jnp.float32)
+        return acc_MD + jnp.einsum("CMD,MC->MD", y_CMD, jnp.take(combine_ME, ids_C, axis=1)), None
+
+    # The sum differs per device (each owns different experts): the scan carry must be typed as varying over MODEL.
+    acc_MD = jax.lax.pcast(jnp.zeros_like(x_MD, dtype=jnp.float32), (MODEL,), to="varying")
+    return jax.lax.scan(one_chunk, acc_MD, active_NC)[0]
 
 
 def _take(w: quant.Weight, idx: jax.Array) -> quant.Weight:
