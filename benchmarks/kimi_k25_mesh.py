@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from sharding.collectives import apply_preset, describe
 from sharding.cpu import simulate_cpu_devices
 
 CPU_LICM_OFF = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--mesh", default="1x8")
     p.add_argument("--cache-len", type=int, default=4096)
     p.add_argument("--preset", default="kimi-k2.5")
+    p.add_argument("--collective-preset", default="default", help="sharding/collectives.py preset to apply")
     p.add_argument("--cpu-licm", choices=["off", "on"], default="off", help="XLA CPU while-loop LICM (see above)")
     p.add_argument(
         "--output", default=None, help="JSON path (default: benchmarks/results/kimi_k25_mesh[_cpu_licm].json)"
@@ -39,13 +41,12 @@ def main() -> None:
     args = p.parse_args()
     if args.cpu_licm == "off":
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_LICM_OFF}".strip()
+    apply_preset(args.collective_preset)
     output = args.output or f"benchmarks/results/kimi_k25_mesh{'_cpu_licm' if args.cpu_licm == 'on' else ''}.json"
     simulate_cpu_devices(8)
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jaxspec import KimiConfig, Target
     from sharding import inspect
@@ -63,23 +64,15 @@ def main() -> None:
         "jax_version": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "cpu_while_loop_licm": args.cpu_licm,
+        "collective_preset": describe(args.collective_preset),
         "per_device_param_bytes": inspect.per_device_param_bytes(target.params),
         "total_param_bytes": inspect.param_bytes(target.params),
         "steps": {},
     }
     print(f"per-device parameters: {result['per_device_param_bytes'] / 1e9:.2f} GB")
     for name, (batch, t) in steps.items():
-        batch_sharding = NamedSharding(mesh, P("data", None))
-        tokens = jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=batch_sharding)
-        pos = jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=batch_sharding)
-        cache = jax.ShapeDtypeStruct(
-            (cfg.num_hidden_layers, batch, args.cache_len, cfg.latent_dim),
-            jnp.bfloat16,
-            sharding=NamedSharding(mesh, target.cache_spec()),
-        )
-        step = jax.jit(lambda params, tok, pos, cache: target.apply(params, tok, pos, cache), donate_argnums=3)
         start = time.perf_counter()
-        compiled = step.lower(target.params, tokens, pos, cache).compile()
+        compiled = target.compile_step(batch, t, args.cache_len)
         seconds = time.perf_counter() - start
         census = inspect.collective_census(compiled)
         memory = inspect.memory_report(compiled)

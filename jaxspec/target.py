@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +24,14 @@ from jaxspec.config import KimiConfig
 from jaxspec.models.kimi import KimiModel
 from jaxspec.models.mla import AttnImpl
 from jaxspec.models.quant import Int4Array
+from sharding.collectives import sharded_argmax, sharded_top_k
 from sharding.mesh import DATA, MODEL, single_device_mesh
 from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
 
 # Above this many query tokens a call attends in the expanded (prefill) form, at or below it in the absorbed form.
 ABSORBED_MAX_TOKENS = 16
+
+Head = Literal["logits", "argmax"] | int
 
 
 def _is_var(x: Any) -> bool:
@@ -127,15 +130,31 @@ class Target:
         *,
         capture: Sequence[int] = (),
         impl: AttnImpl | None = None,
+        head: Head = "logits",
     ):
-        """Sharded forward (traceable; call inside jit). Returns (logits [B,T,V], cache, captured [X,B,T,D])."""
+        """Sharded forward (traceable; call inside jit). Returns (out, cache, captured [X,B,T,D]) where `out` is
+        per `head`: "logits" -> [B,T,V] (vocab-split over the model axis), "argmax" -> greedy ids [B,T],
+        an int k -> top-k (values [B,T,k], ids [B,T,k]). argmax/top-k never gather the vocabulary."""
         impl = impl or ("absorbed" if tokens_BT.shape[1] <= ABSORBED_MAX_TOKENS else "expanded")
         batch, capture = self.rules.batch, tuple(int(c) for c in capture)
         cache_spec = None if cache_LBSK is None else self.cache_spec()
+        if head == "logits":
+            head_spec = P(batch, None, MODEL)
+        elif head == "argmax":
+            head_spec = P(batch, None)
+        elif isinstance(head, int) and head > 0:
+            head_spec = (P(batch, None, None), P(batch, None, None))
+        else:
+            raise ValueError(f"head must be 'logits', 'argmax' or a positive int k, got {head!r}")
 
         def local(params, tokens, pos, cache):
             model = nnx.merge(self.graphdef, params)
-            return model(tokens, pos, cache, capture=capture, impl=impl)
+            logits, cache, captured = model(tokens, pos, cache, capture=capture, impl=impl)
+            if head == "argmax":
+                logits = sharded_argmax(logits, MODEL)
+            elif head != "logits":
+                logits = sharded_top_k(logits, head, MODEL)
+            return logits, cache, captured
 
         reshard = lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
         tokens_BT, pos_BT = reshard(tokens_BT, P(batch, None)), reshard(pos_BT, P(batch, None))
@@ -144,9 +163,23 @@ class Target:
             local,
             mesh=self.mesh,
             in_specs=(self.param_specs(params, self.rules), P(batch, None), P(batch, None), cache_spec),
-            out_specs=(P(batch, None, MODEL), cache_spec, P(None, batch, None, None)),
+            out_specs=(head_spec, cache_spec, P(None, batch, None, None)),
         )
         return fn(params, tokens_BT, pos_BT, cache_LBSK)
+
+    def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits"):
+        """AOT-compile one cached step (decode: tokens=1; verify: k+1) for abstract inputs; nothing is allocated
+        beyond what `params` already holds. Used by `jaxspec inspect` and the full-size benchmark."""
+        cfg, mesh = self.config, self.mesh
+        batch_sharding = NamedSharding(mesh, P(self.rules.batch, None))
+        ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
+        cache = jax.ShapeDtypeStruct(
+            (cfg.num_hidden_layers, batch, cache_len, cfg.latent_dim),
+            self.dtype,
+            sharding=NamedSharding(mesh, self.cache_spec()),
+        )
+        step = jax.jit(lambda p, t, q, c: self.apply(p, t, q, c, head=head), donate_argnums=3)
+        return step.lower(self.params, ids, ids, cache).compile()
 
     # ------------------------------------------------------------------ user entry points
     def logits(self, token_ids) -> jax.Array:

@@ -173,6 +173,8 @@ def apply_preset(
     Returns what was added and what was kept from the user.
     """
     preset = get_preset(preset_or_name) if isinstance(preset_or_name, str) else preset_or_name
+    if not preset.xla_flags and not preset.env:  # nothing to set: valid at any time
+        return {"preset": preset.name, "added": {}, "kept_user": {}}
     if environ is os.environ and backend_initialized():
         raise RuntimeError(
             f"apply_preset({preset.name!r}): the JAX backend is already initialised, and XLA_FLAGS, NCCL_* "
@@ -236,3 +238,44 @@ def describe(preset_or_name: CollectivePreset | str) -> dict[str, Any]:
         "env": dict(preset.env),
         **versions,
     }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reductions over vocab-split logits (call inside shard_map). Each device holds V/n consecutive vocabulary
+# entries; these combine per-device results with collectives on [B, T]-sized (or [B, T, k]-sized) values, so
+# the [B, T, V] logits are never gathered.
+
+
+def sharded_argmax(logits_local: Any, axis_name: str) -> Any:
+    """Global argmax over the last (vocab-split) axis; ties resolve to the lowest id, as `jnp.argmax` does."""
+    import jax
+    import jax.numpy as jnp
+
+    v_local = logits_local.shape[-1]
+    local_max = jnp.max(logits_local, axis=-1)
+    local_arg = jnp.argmax(logits_local, axis=-1).astype(jnp.int32) + jax.lax.axis_index(axis_name) * v_local
+    best = jax.lax.pmax(local_max, axis_name)
+    candidate = jnp.where(local_max == best, local_arg, jnp.iinfo(jnp.int32).max)
+    return jax.lax.pmin(candidate, axis_name)
+
+
+def sharded_top_k(logits_local: Any, k: int, axis_name: str) -> tuple[Any, Any]:
+    """Global top-k (values, ids) over the last (vocab-split) axis: local top-k, combine n*k candidates, top-k.
+
+    The candidates are combined with a psum of one-hot-placed slots (an all-gather of n*k values per token written
+    as an all-reduce), whose result is provably replicated, as shard_map's out_specs require."""
+    import jax
+    import jax.numpy as jnp
+
+    v_local = logits_local.shape[-1]
+    if k > v_local:
+        raise ValueError(f"sharded_top_k: k={k} exceeds the per-device vocabulary slice ({v_local})")
+    n, me = jax.lax.psum(1, axis_name), jax.lax.axis_index(axis_name)
+    vals, ids = jax.lax.top_k(logits_local, k)
+    ids = ids.astype(jnp.int32) + me * v_local
+    slots = (*vals.shape[:-1], n * k)
+    place = lambda x: jax.lax.dynamic_update_slice_in_dim(jnp.zeros(slots, x.dtype), x, me * k, axis=-1)  # noqa: E731
+    all_vals = jax.lax.psum(place(vals.astype(jnp.float32)), axis_name)
+    all_ids = jax.lax.psum(place(ids), axis_name)
+    top_vals, pos = jax.lax.top_k(all_vals, k)
+    return top_vals.astype(logits_local.dtype), jnp.take_along_axis(all_ids, pos, axis=-1)

@@ -27,7 +27,9 @@ def simulate_cpu_devices(n: int = 8) -> None:
         os.environ["PJRT_NPROC"] = str(MIN_PJRT_NPROC)
     import jax
 
-    if _backend_initialized():
+    from sharding.collectives import backend_initialized
+
+    if backend_initialized():
         if jax.device_count() != n:
             raise RuntimeError(
                 f"simulate_cpu_devices({n}) called after JAX initialised its backend with {jax.device_count()} "
@@ -36,9 +38,3 @@ def simulate_cpu_devices(n: int = 8) -> None:
         return
     jax.config.update("jax_num_cpu_devices", n)
     jax.config.update("jax_platforms", "cpu")
-
-
-def _backend_initialized() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge._backends)

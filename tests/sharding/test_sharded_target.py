@@ -90,3 +90,32 @@ def test_mesh_that_does_not_divide_the_model(change, match):
 def test_batch_not_divisible_by_data_axis(single):
     with pytest.raises(ValueError, match="batch 3 is not divisible by the mesh's data axis"):
         single.on_mesh(make_mesh("2x4")).logits(np.zeros((3, 4), np.int32))
+
+
+@pytest.mark.parametrize("mesh", ["1x8", "2x4"])
+def test_greedy_and_top_k_on_vocab_split_logits(single, mesh):
+    sharded = single.on_mesh(make_mesh(mesh))
+    full = np.asarray(single.logits(TOKENS))
+    pos = np.broadcast_to(np.arange(TOKENS.shape[1]), TOKENS.shape)
+    run = jax.jit(lambda p, t, q, head: sharded.apply(p, t, q, head=head)[0], static_argnums=3)
+    np.testing.assert_array_equal(np.asarray(run(sharded.params, TOKENS, pos, "argmax")), full.argmax(-1))
+    vals, ids = run(sharded.params, TOKENS, pos, 3)
+    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-full, axis=-1, kind="stable")[..., :3])
+    np.testing.assert_allclose(np.asarray(vals), -np.sort(-full, axis=-1)[..., :3], rtol=1e-6)
+
+
+def test_greedy_head_never_gathers_the_vocabulary():
+    target = Target.abstract(CFG, mesh=make_mesh("1x8"), dtype=jnp.bfloat16)
+    # argmax: pmax + pmin of [B, T]. top-3: the n*k = 24 candidates per token. No collective ever carries a vocab
+    # dimension (V = 256 or the per-device slice of 32).
+    vocab_dims = {CFG.vocab_size, CFG.vocab_size // 8}
+    for head in ("argmax", 3):
+        compiled = target.compile_step(batch=8, tokens=1, cache_len=32, head=head)
+        census = inspect.collective_census(compiled)
+        assert census["all-reduce"]["executed"] == 2 * CFG.num_hidden_layers + 1 + 2, census
+        assert census["all-gather"]["executed"] == 0
+        for comp in inspect.parse_hlo(compiled).computations.values():
+            for instr in comp.instructions.values():
+                if inspect.collective_kind(instr.opcode):
+                    dims = {d for _, shape in inspect.parse_shape(instr.shape) for d in shape}
+                    assert not dims & vocab_dims, (head, instr.shape)

@@ -1,0 +1,36 @@
+"""The `jaxspec` command, run in-process (the backend already has the 8 simulated devices)."""
+
+import json
+
+import pytest
+
+from jaxspec.cli import main
+
+
+def test_predict_prints_candidates_per_position(capsys):
+    assert main(["predict", "--preset", "tiny", "--mesh", "1x8", "--prompt", "3,4,5", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "preset 'tiny' (random weights): 3 layers" in out
+    assert "{'data': 1, 'model': 8}" in out
+    assert sum(line.startswith("after [") for line in out.splitlines()) == 3
+
+
+def test_predict_bad_prompt():
+    with pytest.raises(SystemExit, match="comma-separated integers"):
+        main(["predict", "--preset", "tiny", "--prompt", "a,b"])
+
+
+def test_inspect_counts_collectives_of_a_verify_step(tmp_path, capsys):
+    out = tmp_path / "inspect.json"
+    args = ["inspect", "--preset", "tiny", "--mesh", "2x4", "--batch", "2", "--tokens", "4", "--cache-len", "32"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["collectives"]["all-reduce"]["executed"] == 2 * 3 + 1  # 2 per layer + the embedding
+    assert report["mesh"] == {"data": 2, "model": 4}
+    assert report["collective_preset"]["name"] == "default"
+    assert "all-reduce" in capsys.readouterr().out
+
+
+def test_unknown_collective_preset():
+    with pytest.raises(ValueError, match="unknown collective preset 'fast'"):
+        main(["--collective-preset", "fast", "predict"])
