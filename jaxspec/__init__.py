@@ -4,7 +4,18 @@ Public API (re-exports only; nothing runs at import time).
 """
 
 from jaxspec.config import ConfigError, KimiConfig
+from jaxspec.drafter import Drafter, load_drafter
 from jaxspec.hf import CheckpointError
+from jaxspec.models.eagle3 import Eagle3Config
 from jaxspec.target import Target, load_target
 
-__all__ = ["CheckpointError", "ConfigError", "KimiConfig", "Target", "load_target"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "Drafter",
+    "Eagle3Config",
+    "KimiConfig",
+    "Target",
+    "load_drafter",
+    "load_target",
+]

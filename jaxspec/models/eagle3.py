@@ -1,0 +1,419 @@
+"""The EAGLE-3 drafter (Flax NNX): its config, read from either published checkpoint format, and its forward.
+
+One Llama-style decoder layer (spec: ../shared/spec/eagle3.md):
+    first step:  h = fc(concat(captured target states, low -> high))    later steps: h = previous step's h2
+    a  = concat(input_layernorm(embed(token)), hidden_norm(h))            # 2D wide, embedding first
+    h1 = residual + attn(a)     residual = h, or hidden_norm(h) with `norm_before_residual`
+    h2 = h1 + swiglu_mlp(post_attention_layernorm(h1))
+    logits = lm_head(norm(h2))  over the draft vocabulary; draft id u is target id u + d2t[u]
+
+Like the target, `Eagle3Model.__call__` runs per device inside ONE `jax.shard_map` over the target's mesh. Query and
+KV heads, the MLP hidden dim and the draft vocabulary are split over "model" when their sizes divide it (heads: both
+query and KV heads must divide); a dimension that does not divide is replicated and computed redundantly on every
+device instead (no psum for it). The embedding table is vocab-split like the target's (usually it IS the target's).
+
+Capture-layer ids: the internal convention is the target's (`jaxspec/models/kimi.py`): id k = the residual stream at
+the OUTPUT of target layer k, 0-indexed. SGLang/SpecForge ids (`eagle_config.eagle_aux_hidden_state_layer_ids`) use it
+already; speculators/vLLM ids (top-level `eagle_aux_hidden_state_layer_ids`) name the INPUT of layer j, i.e. internal
+j - 1. Captured states are concatenated in ascending layer order, as SGLang and vLLM capture them.
+
+Extra shape letters (proposed for glossary.md): J = the drafter's KV heads, P = query heads per KV head (N = J * P),
+Z = the drafter's head dim (RoPE on all of it), W = the 2D-wide attention input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.config import ConfigError, KimiConfig, RopeScaling, _read_rope
+from jaxspec.models import rope
+from jaxspec.models.kimi import embed_lookup
+from jaxspec.models.layers import ones, param, rms_norm, swiglu
+from jaxspec.models.quant import einsum as ein
+from sharding.mesh import MODEL
+from sharding.rules import DEFAULT_RULES, ShardingRules
+
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_TYPE = "eagle3"
+# Published variant flags this port does not implement (speculators / Eagle 3.1); all default to off.
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "tie_word_embeddings")
+_NEG_INF = -1e30
+
+Convention = Literal["output", "input"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRope:
+    """The drafter's own RoPE (HF Llama semantics, rotate-half): default, linear, llama3 or yarn."""
+
+    theta: float
+    kind: Literal["default", "linear", "llama3", "yarn"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    yarn: RopeScaling | None = None
+
+    def inv_freq(self, dim: int) -> tuple[np.ndarray, float]:
+        """Inverse frequencies [dim/2] (float32) and the cos/sin attention factor."""
+        freqs, attn_factor = rope.inv_freq(dim, self.theta, self.yarn)
+        if self.kind == "linear":
+            freqs = freqs / np.float32(self.factor)
+        elif self.kind == "llama3":  # transformers `_compute_llama3_parameters`
+            old_len = self.original_max_position_embeddings
+            wavelen = 2 * math.pi / freqs
+            scaled = np.where(wavelen > old_len / self.low_freq_factor, freqs / self.factor, freqs)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= old_len / self.high_freq_factor) & (wavelen <= old_len / self.low_freq_factor)
+            freqs = np.where(medium, smoothed, scaled)
+        return freqs.astype(np.float32), attn_factor
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `rope_parameters` dict (transformers >= 5 layout, theta inside)."""
+        out: dict[str, Any] = {"rope_theta": self.theta, "rope_type": self.kind}
+        if self.kind in ("linear", "llama3"):
+            out["factor"] = self.factor
+        if self.kind == "llama3":
+            out.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        if self.yarn is not None:
+            out.update({k: v for k, v in dataclasses.asdict(self.yarn).items() if v is not None})
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """A one-layer Llama EAGLE-3 drafter for a given target. Build with `from_hf_config`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # the target vocabulary (embedding rows, t2d length)
+    draft_vocab_size: int  # lm_head rows; == vocab_size when the checkpoint has no draft vocabulary
+    target_hidden_size: int
+    rope: DraftRope
+    max_position_embeddings: int
+    capture_layers: tuple[int, ...]  # internal convention: outputs of these target layers, ascending
+    capture_convention: Literal["output", "input", "default"]  # how the checkpoint's ids were read
+    norm_before_residual: bool = False
+    format: Literal["sglang", "speculators"] = "sglang"
+
+    @property
+    def full_vocab(self) -> bool:
+        return self.draft_vocab_size == self.vocab_size
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        cfg: Mapping[str, Any],
+        *,
+        target_config: KimiConfig,
+        capture_convention: Convention | None = None,
+    ) -> Eagle3Config:
+        """Parse an SGLang/SpecForge or speculators `config.json` and check it against the target's config.
+
+        `capture_convention` states how the checkpoint's layer ids are meant ("output" of layer k, or "input" of
+        layer j); without it the format decides, and a config whose convention cannot be determined is refused.
+        """
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"drafter config: expected a JSON object, got {type(cfg).__name__}")
+        if capture_convention not in (None, "output", "input"):
+            raise ConfigError(f"capture_convention: expected 'output', 'input' or None, got {capture_convention!r}")
+        archs = list(cfg.get("architectures") or [])
+        if "speculators_model_type" in cfg:
+            if cfg["speculators_model_type"] != SPECULATORS_TYPE:
+                raise ConfigError(
+                    f"speculators_model_type: {cfg['speculators_model_type']!r} is not supported "
+                    f"(expected {SPECULATORS_TYPE!r})"
+                )
+            layer, fmt = cfg.get("transformer_layer_config"), "speculators"
+            if not isinstance(layer, Mapping):
+                raise ConfigError("transformer_layer_config: a speculators eagle3 config needs this nested object")
+        elif SGLANG_ARCHITECTURE in archs:
+            layer, fmt = cfg, "sglang"
+        else:
+            raise ConfigError(
+                f"architectures: {archs} is not a supported EAGLE-3 drafter (expected [{SGLANG_ARCHITECTURE!r}] "
+                f"for SGLang/SpecForge, or a speculators config with speculators_model_type {SPECULATORS_TYPE!r})"
+            )
+
+        problems = []
+        for name, expected in (("model_type", "llama"), ("hidden_act", "silu"), ("num_hidden_layers", 1)):
+            if layer.get(name, expected) != expected:
+                problems.append(f"{name}: only {expected!r} is supported, got {layer[name]!r}")
+        for name in ("attention_bias", "mlp_bias"):
+            if layer.get(name):
+                problems.append(f"{name}: biases are not supported (published EAGLE-3 drafters have none)")
+        for name in UNSUPPORTED_FLAGS:
+            if cfg.get(name) or layer.get(name):
+                problems.append(f"{name}: variant flag is set; only norm_before_residual is supported")
+        eagle = cfg.get("eagle_config") or {}
+        if not eagle.get("use_aux_hidden_state", True):
+            problems.append("eagle_config.use_aux_hidden_state: false (an EAGLE-1/2 drafter) is not supported")
+
+        def req(name: str) -> Any:
+            if not isinstance(layer.get(name), int) or isinstance(layer.get(name), bool) or layer[name] <= 0:
+                problems.append(f"{name}: expected a positive integer, got {layer.get(name)!r}")
+                return 1
+            return layer[name]
+
+        D, F, N, V = req("hidden_size"), req("intermediate_size"), req("num_attention_heads"), req("vocab_size")
+        J = layer.get("num_key_value_heads") or N
+        if N % J:
+            problems.append(f"num_key_value_heads: {J} must divide num_attention_heads={N}")
+        U = cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or V
+        Dt = cfg.get("target_hidden_size") or layer.get("target_hidden_size") or D
+        L = target_config.num_hidden_layers
+        if V != target_config.vocab_size:
+            problems.append(f"vocab_size: drafter has {V}, target has {target_config.vocab_size}")
+        if not 0 < U <= V:
+            problems.append(f"draft_vocab_size: expected 1..vocab_size={V}, got {U}")
+        if Dt != target_config.hidden_size:
+            problems.append(
+                f"target_hidden_size: drafter expects {Dt}, target hidden_size is {target_config.hidden_size}"
+            )
+        try:
+            draft_rope = _read_draft_rope(layer)
+        except ConfigError as e:
+            problems.append(str(e))
+            draft_rope = DraftRope(10000.0)
+        layers, convention = _capture_layers(cfg, fmt, L, capture_convention, problems)
+        if problems:
+            raise ConfigError("drafter config does not fit the target:\n  " + "\n  ".join(problems))
+        return cls(
+            hidden_size=D,
+            intermediate_size=F,
+            num_attention_heads=N,
+            num_key_value_heads=J,
+            head_dim=layer.get("head_dim") or D // N,
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            vocab_size=V,
+            draft_vocab_size=U,
+            target_hidden_size=Dt,
+            rope=draft_rope,
+            max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
+            capture_layers=layers,
+            capture_convention=convention,
+            norm_before_residual=bool(cfg.get("norm_before_residual") or layer.get("norm_before_residual")),
+            format=fmt,
+        )
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, ...]:
+    """SGLang/vLLM/speculators default: inputs of layers [2, L//2, L-3] = outputs of [1, L//2-1, L-4]."""
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def _capture_layers(
+    cfg: Mapping[str, Any], fmt: str, L: int, override: Convention | None, problems: list[str]
+) -> tuple[tuple[int, ...], str]:
+    """Internal (output-of-layer-k, ascending) capture ids and the convention they were read with."""
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    # Each field's convention. SGLang reads eagle_config ids as outputs (it captures the input of layer k + 1).
+    # speculators/vLLM read top-level ids as inputs; in a flat SGLang-style config a top-level list is ambiguous
+    # (vLLM reads it as inputs, SGLang ignores it, and SpecForge output ids have been put there too).
+    fields = [
+        ("eagle_config.eagle_aux_hidden_state_layer_ids", nested, "output"),
+        ("eagle_aux_hidden_state_layer_ids", top, "input" if fmt == "speculators" else None),
+    ]
+    found = [(field, ids, override or conv) for field, ids, conv in fields if ids]
+    if not found:
+        ids = default_capture_layers(L)
+        if min(ids) < 0 or len(set(ids)) < len(ids):
+            problems.append(
+                f"eagle_aux_hidden_state_layer_ids: absent, and the default outputs of {list(ids)} do not fit a "
+                f"target with {L} layers; state the ids in the drafter config"
+            )
+        return tuple(sorted(ids)), "default"
+    results = []
+    for field, ids, conv in found:
+        if conv is None:
+            problems.append(
+                f"{field}: {ids} at the top level of a {fmt} config is ambiguous (vLLM reads input-of-layer ids, "
+                "SGLang ignores it); pass capture_convention='output' or 'input'"
+            )
+        elif not isinstance(ids, list | tuple) or not all(type(i) is int for i in ids):
+            problems.append(f"{field}: expected a list of integers, got {ids!r}")
+        else:
+            lo = 1 if conv == "input" else 0  # input of layer 0 is the embedding output: never captured
+            bad = [i for i in ids if not lo <= i < L + lo]
+            if bad:
+                problems.append(f"{field}: {bad} out of range [{lo}, {L + lo}) for {conv}-of-layer ids ({L} layers)")
+            elif len(set(ids)) != len(ids):
+                problems.append(f"{field}: duplicate layer ids {list(ids)}")
+            results.append((field, tuple(sorted(i - lo for i in ids)), conv))
+    if len({internal for _, internal, _ in results}) > 1:
+        problems.append("layer ids disagree: " + "; ".join(f"{f} -> outputs of {list(i)}" for f, i, _ in results))
+    return (results[0][1], results[0][2]) if results else ((), "default")
+
+
+def _read_draft_rope(layer: Mapping[str, Any]) -> DraftRope:
+    params = dict(layer.get("rope_parameters") or {})
+    scaling = dict(layer.get("rope_scaling") or {}) or params
+    theta = float(layer.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"rope partial_rotary_factor: only 1.0 is supported, got {scaling['partial_rotary_factor']}")
+    orig = scaling.get("original_max_position_embeddings") or layer.get("max_position_embeddings")  # HF default
+    if kind == "default":
+        return DraftRope(theta)
+    if kind == "linear":
+        return DraftRope(theta, "linear", factor=float(scaling["factor"]))
+    if kind == "llama3":
+        return DraftRope(
+            theta,
+            "llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(orig),
+        )
+    if kind == "yarn":
+        _, yarn = _read_rope(
+            {"rope_theta": theta, "rope_scaling": {**scaling, "original_max_position_embeddings": orig}}
+        )
+        return DraftRope(theta, "yarn", yarn=yarn)
+    raise ConfigError(f"rope_scaling.rope_type: {kind!r} is not supported (expected default, linear, llama3 or yarn)")
+
+
+# ----------------------------------------------------------------------------------------------- the model
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Which dims are split over the mesh's "model" axis (the rest are replicated)."""
+
+    heads: bool
+    mlp: bool
+    vocab: bool
+
+    @classmethod
+    def plan(cls, cfg: Eagle3Config, model_shards: int, rules: ShardingRules = DEFAULT_RULES) -> Split:
+        """Split a dim when the rules map it to "model" (the axis the forward reduces over) and it divides."""
+        split = lambda axis, *sizes: axis == MODEL and all(s % model_shards == 0 for s in sizes)  # noqa: E731
+        return cls(
+            heads=split(rules.heads, cfg.num_attention_heads, cfg.num_key_value_heads),
+            mlp=split(rules.mlp, cfg.intermediate_size),
+            vocab=split(rules.vocab, cfg.draft_vocab_size),
+        )
+
+
+KVCache = tuple[jax.Array, jax.Array]  # (k [B,S,J,Z], v [B,S,J,Z])
+
+
+class Eagle3Model(nnx.Module):
+    def __init__(
+        self, cfg: Eagle3Config, *, dtype: jnp.dtype = jnp.bfloat16, split: Split | None = None, rngs: nnx.Rngs
+    ):
+        D, F, V, U = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.draft_vocab_size
+        N, J, Z = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        XD = len(cfg.capture_layers) * cfg.target_hidden_size
+        self.split = split = split or Split.plan(cfg, 1)
+        heads, mlp, vocab = ("heads" if split.heads else None), ("mlp" if split.mlp else None), split.vocab
+        self.config, self.dtype = cfg, dtype
+        # embed (and lm_head for a full-vocabulary drafter without one) may be the target's own arrays, so they are
+        # declared exactly like the target's: vocab-split [V, D] and [D, V].
+        self.embed = param(rngs, (V, D), ("vocab", "embed"), dtype)
+        self.fc = param(rngs, (XD, D), (None, "embed"), dtype)
+        self.input_norm = param(rngs, (D,), ("embed",), dtype, ones)
+        self.hidden_norm = param(rngs, (D,), ("embed",), dtype, ones)
+        self.q = param(rngs, (2 * D, N, Z), (None, heads, None), dtype)
+        self.k = param(rngs, (2 * D, J, Z), (None, heads, None), dtype)
+        self.v = param(rngs, (2 * D, J, Z), (None, heads, None), dtype)
+        self.o = param(rngs, (N, Z, D), (heads, None, "embed"), dtype)
+        self.post_attn_norm = param(rngs, (D,), ("embed",), dtype, ones)
+        self.gate = param(rngs, (D, F), ("embed", mlp), dtype)
+        self.up = param(rngs, (D, F), ("embed", mlp), dtype)
+        self.down = param(rngs, (F, D), (mlp, "embed"), dtype)
+        self.final_norm = param(rngs, (D,), ("embed",), dtype, ones)
+        self.lm_head = param(rngs, (D, U), ("embed", "vocab" if vocab else None), dtype)
+        freqs, self.rope_factor = cfg.rope.inv_freq(Z)
+        self.rope_freqs = tuple(float(f) for f in freqs)  # static: keep numpy out of the graph state
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        hidden: jax.Array,
+        pos_BT: jax.Array,
+        cache: KVCache | None = None,
+        *,
+        first_step: bool,
+    ) -> tuple[jax.Array, jax.Array, KVCache | None]:
+        """Per-device step. `hidden` is the captured aux [B,T,X*Dt] if `first_step`, else the previous h2 [B,T,D].
+
+        Returns (fp32 logits [B,T,U] (local vocab shard when split), h2 [B,T,D], updated cache or None).
+        """
+        cfg, dt = self.config, self.dtype
+        eps = cfg.rms_norm_eps
+        with jax.named_scope("embed"):
+            e_BTD = embed_lookup(self.embed[...], tokens_BT).astype(dt)
+        if first_step:
+            with jax.named_scope("fc"):
+                h_BTD = ein("BTI,ID->BTD", hidden.astype(dt), self.fc[...])
+        else:
+            h_BTD = hidden.astype(dt)
+        hn_BTD = rms_norm(h_BTD, self.hidden_norm[...], eps)
+        residual_BTD = hn_BTD if cfg.norm_before_residual else h_BTD
+        a_BTW = jnp.concatenate([rms_norm(e_BTD, self.input_norm[...], eps), hn_BTD], axis=-1)
+
+        with jax.named_scope("attention"):
+            attn_BTD, cache = self._attend(a_BTW, pos_BT, cache)
+            if self.split.heads:
+                attn_BTD = jax.lax.psum(attn_BTD, MODEL)
+            h1_BTD = residual_BTD + attn_BTD.astype(dt)
+        with jax.named_scope("mlp"):
+            x_BTD = rms_norm(h1_BTD, self.post_attn_norm[...], eps)
+            y_BTF = swiglu(ein("BTD,DF->BTF", x_BTD, self.gate[...]), ein("BTD,DF->BTF", x_BTD, self.up[...]))
+            y_BTD = ein("BTF,FD->BTD", y_BTF, self.down[...], dtype=jnp.float32)
+            if self.split.mlp:
+                y_BTD = jax.lax.psum(y_BTD, MODEL)
+            h2_BTD = h1_BTD + y_BTD.astype(dt)
+        with jax.named_scope("head"):
+            x_BTD = rms_norm(h2_BTD, self.final_norm[...], eps)
+            logits_BTU = ein("BTD,DU->BTU", x_BTD, self.lm_head[...], dtype=jnp.float32)
+        return logits_BTU, h2_BTD, cache
+
+    def _attend(self, a_BTW, pos_BT, cache):
+        B, T, _ = a_BTW.shape
+        _, J, Z = self.k.shape  # local KV heads
+        P = self.q.shape[1] // J
+        cos, sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        q_BTJPZ = rope.apply_half(ein("BTW,WNZ->BTNZ", a_BTW, self.q[...]), cos, sin).reshape(B, T, J, P, Z)
+        k_BTJZ = rope.apply_half(ein("BTW,WJZ->BTJZ", a_BTW, self.k[...]), cos, sin)
+        v_BTJZ = ein("BTW,WJZ->BTJZ", a_BTW, self.v[...])
+        if cache is None:
+            k_BSJZ, v_BSJZ, kv_pos_BS = k_BTJZ, v_BTJZ, pos_BT
+        else:
+            # Each sequence writes its T new entries contiguously from its first query position (as in mla.py).
+            write = lambda c, n, p: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (p, 0, 0))  # noqa: E731
+            cache = tuple(jax.vmap(write)(c, n, pos_BT[:, 0]) for c, n in zip(cache, (k_BTJZ, v_BTJZ), strict=True))
+            k_BSJZ, v_BSJZ = (c.astype(a_BTW.dtype) for c in cache)
+            kv_pos_BS = jnp.broadcast_to(jnp.arange(k_BSJZ.shape[1]), k_BSJZ.shape[:2])
+        # Causal by position: entries past a sequence's own position are stale or padding and never seen.
+        mask_BTS = kv_pos_BS[:, None, :] <= pos_BT[:, :, None]
+        s_BJPTS = ein("BTJPZ,BSJZ->BJPTS", q_BTJPZ, k_BSJZ, dtype=jnp.float32) * Z**-0.5
+        s_BJPTS = jnp.where(mask_BTS[:, None, None], s_BJPTS, _NEG_INF)
+        p_BJPTS = jax.nn.softmax(s_BJPTS, axis=-1).astype(a_BTW.dtype)
+        out_BTNZ = ein("BJPTS,BSJZ->BTJPZ", p_BJPTS, v_BSJZ).reshape(B, T, J * P, Z)
+        return ein("BTNZ,NZD->BTD", out_BTNZ, self.o[...], dtype=jnp.float32), cache
+
+
+def concat_captured(captured_XBTD: jax.Array) -> jax.Array:
+    """[X, B, T, D] captured target states (ascending layers) -> the drafter's aux input [B, T, X*D]."""
+    X, B, T, D = captured_XBTD.shape
+    return jnp.moveaxis(captured_XBTD, 0, 2).reshape(B, T, X * D)
