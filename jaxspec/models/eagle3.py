@@ -17,8 +17,8 @@ the OUTPUT of target layer k, 0-indexed. SGLang/SpecForge ids (`eagle_config.eag
 already; speculators/vLLM ids (top-level `eagle_aux_hidden_state_layer_ids`) name the INPUT of layer j, i.e. internal
 j - 1. Captured states are concatenated in ascending layer order, as SGLang and vLLM capture them.
 
-Extra shape letters (proposed for glossary.md): J = the drafter's KV heads, P = query heads per KV head (N = J * P),
-Z = the drafter's head dim (RoPE on all of it), W = the 2D-wide attention input.
+Shape letters (glossary.md): O = the drafter's KV heads, P = query heads per KV head (N = O * P), Z = the drafter's
+head dim (RoPE on all of it), W = the 2D-wide attention input, I = the fc input (X * target hidden).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Eagle3Config:
         layer j); without it the format decides, and a config whose convention cannot be determined is refused.
         """
         if not isinstance(cfg, Mapping):
-            raise ConfigError(f"drafter config: expected a JSON object, got {type(cfg).__name__}")
+            raise ConfigError(f"drafter config: expected a OSON object, got {type(cfg).__name__}")
         if capture_convention not in (None, "output", "input"):
             raise ConfigError(f"capture_convention: expected 'output', 'input' or None, got {capture_convention!r}")
         archs = list(cfg.get("architectures") or [])
@@ -312,7 +312,7 @@ class Split:
         )
 
 
-KVCache = tuple[jax.Array, jax.Array]  # (k [B,S,J,Z], v [B,S,J,Z])
+KVCache = tuple[jax.Array, jax.Array]  # (k [B,S,O,Z], v [B,S,O,Z])
 
 
 class Eagle3Model(nnx.Module):
@@ -320,7 +320,7 @@ class Eagle3Model(nnx.Module):
         self, cfg: Eagle3Config, *, dtype: jnp.dtype = jnp.bfloat16, split: Split | None = None, rngs: nnx.Rngs
     ):
         D, F, V, U = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.draft_vocab_size
-        N, J, Z = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        N, O, Z = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim  # noqa: E741
         XD = len(cfg.capture_layers) * cfg.target_hidden_size
         self.split = split = split or Split.plan(cfg, 1)
         heads, mlp, vocab = ("heads" if split.heads else None), ("mlp" if split.mlp else None), split.vocab
@@ -332,8 +332,8 @@ class Eagle3Model(nnx.Module):
         self.input_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.hidden_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.q = param(rngs, (2 * D, N, Z), (None, heads, None), dtype)
-        self.k = param(rngs, (2 * D, J, Z), (None, heads, None), dtype)
-        self.v = param(rngs, (2 * D, J, Z), (None, heads, None), dtype)
+        self.k = param(rngs, (2 * D, O, Z), (None, heads, None), dtype)
+        self.v = param(rngs, (2 * D, O, Z), (None, heads, None), dtype)
         self.o = param(rngs, (N, Z, D), (heads, None, "embed"), dtype)
         self.post_attn_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.gate = param(rngs, (D, F), ("embed", mlp), dtype)
@@ -389,27 +389,27 @@ class Eagle3Model(nnx.Module):
 
     def _attend(self, a_BTW, pos_BT, cache):
         B, T, _ = a_BTW.shape
-        _, J, Z = self.k.shape  # local KV heads
-        P = self.q.shape[1] // J
+        _, O, Z = self.k.shape  # noqa: E741 (local KV heads)
+        P = self.q.shape[1] // O
         cos, sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
         cos, sin = cos[:, :, None], sin[:, :, None]
-        q_BTJPZ = rope.apply_half(ein("BTW,WNZ->BTNZ", a_BTW, self.q[...]), cos, sin).reshape(B, T, J, P, Z)
-        k_BTJZ = rope.apply_half(ein("BTW,WJZ->BTJZ", a_BTW, self.k[...]), cos, sin)
-        v_BTJZ = ein("BTW,WJZ->BTJZ", a_BTW, self.v[...])
+        q_BTOPZ = rope.apply_half(ein("BTW,WNZ->BTNZ", a_BTW, self.q[...]), cos, sin).reshape(B, T, O, P, Z)
+        k_BTOZ = rope.apply_half(ein("BTW,WOZ->BTOZ", a_BTW, self.k[...]), cos, sin)
+        v_BTOZ = ein("BTW,WOZ->BTOZ", a_BTW, self.v[...])
         if cache is None:
-            k_BSJZ, v_BSJZ, kv_pos_BS = k_BTJZ, v_BTJZ, pos_BT
+            k_BSOZ, v_BSOZ, kv_pos_BS = k_BTOZ, v_BTOZ, pos_BT
         else:
             # Each sequence writes its T new entries contiguously from its first query position (as in mla.py).
             write = lambda c, n, p: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (p, 0, 0))  # noqa: E731
-            cache = tuple(jax.vmap(write)(c, n, pos_BT[:, 0]) for c, n in zip(cache, (k_BTJZ, v_BTJZ), strict=True))
-            k_BSJZ, v_BSJZ = (c.astype(a_BTW.dtype) for c in cache)
-            kv_pos_BS = jnp.broadcast_to(jnp.arange(k_BSJZ.shape[1]), k_BSJZ.shape[:2])
+            cache = tuple(jax.vmap(write)(c, n, pos_BT[:, 0]) for c, n in zip(cache, (k_BTOZ, v_BTOZ), strict=True))
+            k_BSOZ, v_BSOZ = (c.astype(a_BTW.dtype) for c in cache)
+            kv_pos_BS = jnp.broadcast_to(jnp.arange(k_BSOZ.shape[1]), k_BSOZ.shape[:2])
         # Causal by position: entries past a sequence's own position are stale or padding and never seen.
         mask_BTS = kv_pos_BS[:, None, :] <= pos_BT[:, :, None]
-        s_BJPTS = ein("BTJPZ,BSJZ->BJPTS", q_BTJPZ, k_BSJZ, dtype=jnp.float32) * Z**-0.5
-        s_BJPTS = jnp.where(mask_BTS[:, None, None], s_BJPTS, _NEG_INF)
-        p_BJPTS = jax.nn.softmax(s_BJPTS, axis=-1).astype(a_BTW.dtype)
-        out_BTNZ = ein("BJPTS,BSJZ->BTJPZ", p_BJPTS, v_BSJZ).reshape(B, T, J * P, Z)
+        s_BOPTS = ein("BTOPZ,BSOZ->BOPTS", q_BTOPZ, k_BSOZ, dtype=jnp.float32) * Z**-0.5
+        s_BOPTS = jnp.where(mask_BTS[:, None, None], s_BOPTS, _NEG_INF)
+        p_BOPTS = jax.nn.softmax(s_BOPTS, axis=-1).astype(a_BTW.dtype)
+        out_BTNZ = ein("BOPTS,BSOZ->BTOPZ", p_BOPTS, v_BSOZ).reshape(B, T, O * P, Z)
         return ein("BTNZ,NZD->BTD", out_BTNZ, self.o[...], dtype=jnp.float32), cache
 
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: sampling, the accept rules, and the jitted draft-verify loop."""
