@@ -146,6 +146,28 @@ class Drafter:
         )
         return fn(params, tokens_BT, hidden, pos_BT, cache)
 
+    @classmethod
+    def random(
+        cls, cfg: Eagle3Config, target: Target, *, d2t: np.ndarray | None = None, dtype=jnp.bfloat16, seed: int = 0
+    ) -> Drafter:
+        """A randomly initialised drafter for `target` (to train, or as a bad drafter in tests), on its mesh.
+
+        It uses the target's embedding; `d2t` ([draft_vocab] offsets) is required when the draft vocabulary is smaller
+        than the target's."""
+        if (d2t is None) != cfg.full_vocab:
+            raise ValueError("d2t: required exactly when draft_vocab_size < vocab_size")
+        split = Split.plan(cfg, target.mesh.shape[MODEL], target.rules)
+        graphdef, abstract = nnx.split(
+            nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0)))
+        )
+        specs = Target.param_specs(abstract, target.rules)
+        shardings = jax.tree.map(lambda spec: NamedSharding(target.mesh, spec), specs)
+        make = lambda: nnx.state(Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(seed)))  # noqa: E731
+        params = jax.jit(make, out_shardings=shardings)()
+        params["embed"] = params["embed"].replace(target.params["embed"].get_value())
+        d2t = None if d2t is None else np.asarray(d2t, np.int32)
+        return cls(cfg, target, graphdef, params, d2t, ("embed",))
+
     # ------------------------------------------------------------------ user entry points
     def logits(self, aux_hidden, token_ids) -> jax.Array:
         """First-step draft logits [B,T,U] (fp32) for a whole sequence, causal, positions 0..T-1, no cache.

@@ -1,0 +1,188 @@
+"""`jaxspec.generate`: speculative (or plain, num_steps=0) generation from token ids or strings.
+
+Shapes are bucketed (batch to a power of two up to 8, then a multiple of 8; prompt length to a power of two >= 16;
+the token buffer to a power of two), so new prompt lengths or budgets within a bucket reuse the compiled programs;
+`stats["compiles"]` says how many traces a call caused. Everything is validated before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.spec_loop import LoopConfig, SpecLoop
+from sharding.mesh import DATA
+
+MAX_NUM_STEPS = 16
+MIN_PROMPT_BUCKET = 16
+PREFILL_CHUNK = 256
+
+# One SpecLoop (its jitted programs and trace counter) per (target, drafter); dropped with the target.
+_LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """tokens: new token ids per prompt (up to and including a stop token); text: decoded (with a tokenizer)."""
+
+    tokens: list[list[int]]
+    text: list[str] | None
+    stats: dict[str, Any]
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def _loop_for(target, drafter) -> SpecLoop:
+    per_target = _LOOPS.setdefault(target, {})
+    key = id(drafter) if drafter is not None else None
+    if key not in per_target or per_target[key].drafter is not drafter:
+        per_target[key] = SpecLoop(target, drafter)
+    return per_target[key]
+
+
+def _prompt_ids(prompts, tokenizer) -> list[list[int]]:
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts: expected a non-empty list of strings or of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"prompts[{i}] is a string: pass tokenizer= to encode it (or give token ids)")
+            p = tokenizer.encode(p)
+        ids = np.asarray(p)
+        if ids.size == 0:
+            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompts[{i}]: expected a flat list of integer token ids, got {ids.dtype} {ids.shape}")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def generate(
+    target,
+    drafter,
+    prompts,
+    *,
+    max_new_tokens: int = 128,
+    num_steps: int = 3,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop: Sequence[int] | None = None,
+    tokenizer=None,
+    on_cycles: Callable[[list[list[int]]], None] | None = None,
+    stream_cycles: int = 8,
+) -> GenerateResult:
+    """Generate up to `max_new_tokens` per prompt with EAGLE-3 speculative decoding (`num_steps` draft tokens per
+    cycle; 0 = plain decoding, drafter may be None). Greedy at temperature 0 (output identical to plain greedy);
+    otherwise lossless speculative sampling with temperature / top-k / top-p applied identically to target and draft.
+
+    `stop`: extra stop token ids (the target config's eos and the tokenizer's stop ids always apply). `on_cycles`
+    receives the tokens generated so far after every `stream_cycles` cycles (for streaming output).
+    """
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= MAX_NUM_STEPS:
+        raise ValueError(f"num_steps: expected an integer in [0, {MAX_NUM_STEPS}], got {num_steps!r}")
+    if num_steps and drafter is None:
+        raise ValueError(f"num_steps={num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+    cfg = target.config
+    ids = _prompt_ids(prompts, tokenizer)
+    for i, p in enumerate(ids):
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise ValueError(
+                f"prompts[{i}]: token ids must be in [0, {cfg.vocab_size}); got min {min(p)}, max {max(p)}"
+            )
+    longest = max(len(p) for p in ids)
+    prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
+    buffer = _bucket(prompt_bucket + max_new_tokens + num_steps + 2)
+    if longest + max_new_tokens + num_steps + 1 > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + num_steps {num_steps} exceeds the "
+            f"context of {cfg.max_position_embeddings} positions"
+        )
+    stop_ids = set(cfg.stop_token_ids) | set(stop or ()) | set(getattr(tokenizer, "stop_ids", ()) or ())
+
+    data = target.mesh.shape[DATA]
+    # Small batches to powers of two, larger ones to multiples of 8 (bounded padding); always whole data shards.
+    batch = _bucket(len(ids)) if len(ids) <= 8 else -(-len(ids) // 8) * 8
+    batch = -(-batch // data) * data
+    tokens = np.zeros((batch, buffer), np.int32)
+    prompt_len = np.ones((batch,), np.int32)
+    for i, p in enumerate(ids):
+        tokens[i, : len(p)] = p
+        prompt_len[i] = len(p)
+    pad = np.arange(batch) >= len(ids)
+
+    loop = _loop_for(target, drafter)
+    traces_before = loop.traces
+    loop_cfg = LoopConfig(
+        num_steps, sampling, tuple(sorted(stop_ids)), prompt_bucket, min(PREFILL_CHUNK, prompt_bucket)
+    )
+    rep = NamedSharding(target.mesh, P())
+    use_drafter = drafter is not None and num_steps > 0
+    dparams = drafter.params if use_drafter else None
+    draft_cache = drafter.init_cache(batch, buffer) if use_drafter else None
+    state_in = {
+        "tokens_BS": jax.device_put(tokens, rep),
+        "prompt_len_B": jax.device_put(prompt_len, rep),
+        "max_new_B": jax.device_put(np.full((batch,), max_new_tokens, np.int32), rep),
+        "pad_B": jax.device_put(pad, rep),
+        "key": jax.device_put(jax.random.key(seed), rep),
+    }
+    start = time.perf_counter()
+    state = loop.prefill(loop_cfg, target.params, dparams, target.init_cache(batch, buffer), draft_cache, state_in)
+    while True:
+        limit = jnp.int32(stream_cycles if on_cycles else max_new_tokens + 1)
+        state = loop.run(loop_cfg, target.params, dparams, state, limit)
+        done = bool(np.asarray(state.done_B).all())
+        if on_cycles is not None:
+            on_cycles(_collect(state, len(ids)))
+        if done:
+            break
+    seconds = time.perf_counter() - start
+    out = _collect(state, len(ids))
+    reached, accepted = np.asarray(state.reached_J), np.asarray(state.accepted_J)
+    cycles = int(state.cycles)
+    new_tokens = sum(len(t) for t in out)
+    stats = {
+        "cycles": cycles,
+        "new_tokens": new_tokens,
+        "num_steps": num_steps,
+        "reached": reached.tolist(),
+        "accepted": accepted.tolist(),
+        "acceptance_rate": (accepted / np.maximum(reached, 1)).tolist(),
+        "accepted_length_histogram": np.asarray(state.accept_hist_A).tolist(),
+        "mean_accepted_length": float(
+            (np.asarray(state.accept_hist_A) * np.arange(num_steps + 1)).sum()
+            / max(np.asarray(state.accept_hist_A).sum(), 1)
+            + 1
+        ),
+        "seconds": seconds,
+        "tokens_per_second": new_tokens / seconds if seconds > 0 else float("nan"),
+        "compiles": loop.traces - traces_before,
+        "buckets": {"batch": batch, "prompt": prompt_bucket, "buffer": buffer},
+    }
+    text = [tokenizer.decode(t) for t in out] if tokenizer is not None else None
+    return GenerateResult(out, text, stats)
+
+
+def _collect(state, n: int) -> list[list[int]]:
+    tokens, start, end = (np.asarray(x) for x in (state.tokens_BS, state.prompt_len_B, state.end_B))
+    return [tokens[i, start[i] : end[i]].tolist() for i in range(n)]

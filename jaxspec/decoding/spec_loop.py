@@ -1,0 +1,274 @@
+"""The draft-verify loop as one compiled program: prefill, then a `lax.while_loop` over cycles.
+
+Per cycle, with a static draft depth J (= k, `num_steps`):
+1. draft: the first draft token comes from the previous draft-extend; J-1 more drafter steps propose the rest;
+2. verify: the target scores [pending, d_1..d_J] at positions n..n+J in one forward (writing their latent KV);
+3. accept: greedy prefix match, or lossless speculative sampling; the target's token after the accepted prefix is
+   the new pending token (the "bonus");
+4. commit: each sequence advances by accepted+1 (cache entries past the new length are dead and get overwritten);
+5. draft-extend: the drafter runs over the accepted tokens with their captured target states (fixing its own KV
+   cache) and proposes the next cycle's first draft token;
+6. per-position reached/accepted counters, stop on stop ids / max tokens.
+J = 0 is plain autoregressive decoding through the same machinery (no drafter calls), so baselines compare like for
+like. Batches are ragged: every sequence has its own length and position; padding rows are born done.
+
+Token bookkeeping: `tokens_BS[b, :length_B[b]]` are processed by the target (its cache holds those positions) and
+`tokens_BS[b, length_B[b]]` is the pending token, already emitted but not yet fed back. Generated tokens are
+`tokens_BS[b, prompt_len_B[b]:end_B[b]]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
+from jaxspec.decoding.sampling import Sampling, sample, warp
+from jaxspec.models.eagle3 import concat_captured
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static settings of one compiled loop (each distinct value compiles its own program)."""
+
+    num_steps: int  # J: draft tokens per cycle; 0 = plain decoding
+    sampling: Sampling
+    stop_ids: tuple[int, ...]
+    prompt_bucket: int  # padded prompt length (a multiple of prefill_chunk)
+    prefill_chunk: int
+
+
+@struct.dataclass
+class LoopState:
+    """Everything the loop carries between cycles (a pytree; B = padded batch, S = token buffer length)."""
+
+    tokens_BS: jax.Array  # int32 prompt + generated tokens; the pending token sits at index length_B
+    prompt_len_B: jax.Array  # int32
+    length_B: jax.Array  # int32: positions the target has processed (and cached)
+    end_B: jax.Array  # int32: exclusive end of the generated tokens (length + 1 while running)
+    max_new_B: jax.Array  # int32: generation budget per sequence
+    done_B: jax.Array  # bool: stopped, out of budget, or a padding row
+    target_cache: jax.Array  # [L, B, S, latent] target latent KV cache
+    draft_cache: Any  # drafter (k, v) cache, or None when J = 0
+    draft_B: jax.Array  # int32 (target ids): the next cycle's first draft token
+    draft_q_BV: jax.Array  # float32 [B, V]: its draft distribution over the target vocabulary ([B, 1] when unused)
+    hidden_BD: jax.Array  # drafter h2 at the last processed position (input of the next draft step)
+    key: jax.Array
+    cycles: jax.Array  # int32 scalar
+    reached_J: jax.Array  # int32 [J]: how often draft position j+1 was verified (all before it accepted)
+    accepted_J: jax.Array  # int32 [J]: how often it was accepted
+    accept_hist_A: jax.Array  # int32 [J+1]: cycles that accepted exactly a draft tokens
+
+
+class SpecLoop:
+    """Compiled prefill and cycle loop for one (target, drafter) pair; counts its traces (= compiles)."""
+
+    def __init__(self, target, drafter=None):
+        self.target, self.drafter = target, drafter
+        self.traces = 0
+        self.prefill = jax.jit(self._prefill_impl, static_argnums=0, donate_argnums=(3, 4))
+        self.run = jax.jit(self._run_impl, static_argnums=0, donate_argnums=3)
+
+    # ------------------------------------------------------------------ helpers (traced)
+    def _replicated(self, x):
+        return jax.sharding.reshard(x, NamedSharding(self.target.mesh, P()))
+
+    def _target_step(self, tparams, tokens_BT, pos_BT, cache, cfg: LoopConfig):
+        """Target forward; returns (ids [B,T] if greedy else logits [B,T,V], cache, captured [X,B,T,D])."""
+        capture = self.drafter.capture_layers if (self.drafter is not None and cfg.num_steps) else ()
+        head = "argmax" if cfg.sampling.greedy else "logits"
+        out, cache, captured = self.target.apply(tparams, tokens_BT, pos_BT, cache, capture=capture, head=head)
+        return self._replicated(out), cache, captured
+
+    def _choose_target(self, key, out_BV, sampling: Sampling):
+        """A token from the target's output at one position (ids if greedy, else logits)."""
+        return out_BV if sampling.greedy else sample(key, out_BV, sampling)
+
+    def _draft_choose(self, key, logits_BU, sampling: Sampling):
+        """Draft token (target ids) and its distribution over the target vocabulary (sampling only)."""
+        drafter = self.drafter
+        logits_BU = self._replicated(logits_BU)
+        draft_U = sample(key, logits_BU, sampling)
+        ids_B = drafter.to_target_ids(draft_U)
+        if sampling.greedy:
+            return ids_B, jnp.zeros((ids_B.shape[0], 1), jnp.float32)
+        q_BU = jnp.exp(warp(logits_BU, sampling))
+        vocab = self.target.vocab_size
+        if drafter.d2t is None:
+            return ids_B, q_BU
+        where_U = drafter.to_target_ids(jnp.arange(q_BU.shape[-1], dtype=jnp.int32))
+        return ids_B, jnp.zeros((q_BU.shape[0], vocab), jnp.float32).at[:, where_U].set(q_BU)
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_impl(self, cfg: LoopConfig, tparams, dparams, target_cache, draft_cache, state_in):
+        """Process the prompts in chunks; emit each sequence's first token and the drafter's first draft."""
+        self.traces += 1
+        tokens_BS, prompt_len_B, key = state_in["tokens_BS"], state_in["prompt_len_B"], state_in["key"]
+        B, S = tokens_BS.shape
+        C, J = cfg.prefill_chunk, cfg.num_steps
+        n_chunks = cfg.prompt_bucket // C
+        last_B = prompt_len_B - 1
+        use_drafter = self.drafter is not None and J > 0
+        D = self.drafter.config.hidden_size if use_drafter else 1
+        V = self.target.vocab_size if not cfg.sampling.greedy and use_drafter else 1
+
+        def chunk(carry, c):
+            tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
+            start = c * C
+            pos_BT = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
+            chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, C, axis=1)
+            out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, tcache, cfg)
+            # The first generated token comes from the last prompt position, if it falls in this chunk.
+            key, k1, k2 = jax.random.split(key, 3)
+            in_chunk_B = (last_B >= start) & (last_B < start + C)
+            row_B = jnp.clip(last_B - start, 0, C - 1)
+            out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
+            first_B = self._choose_target(k1, out_B, cfg.sampling)
+            tokens_BS = jnp.where(
+                in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None]), first_B[:, None], tokens_BS
+            )
+            if use_drafter:
+                # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
+                next_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start + 1, C, axis=1)
+                logits, h2, dcache = self.drafter.apply(
+                    dparams, next_BT, concat_captured(captured), pos_BT, dcache, first_step=True
+                )
+                pick = lambda x: jnp.take_along_axis(self._replicated(x), row_B[:, None, None], axis=1)[:, 0]  # noqa: E731
+                d_B, dq_BV = self._draft_choose(k2, pick(logits), cfg.sampling)
+                draft_B = jnp.where(in_chunk_B, d_B, draft_B)
+                q_BV = jnp.where(in_chunk_B[:, None], dq_BV, q_BV)
+                hidden_BD = jnp.where(in_chunk_B[:, None], pick(h2).astype(hidden_BD.dtype), hidden_BD)
+            return (tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key), None
+
+        hidden_dtype = self.drafter.dtype if use_drafter else jnp.float32
+        carry = (
+            tokens_BS,
+            target_cache,
+            draft_cache,
+            jnp.zeros((B,), jnp.int32),
+            jnp.zeros((B, V), jnp.float32),
+            jnp.zeros((B, D), hidden_dtype),
+            key,
+        )
+        carry, _ = jax.lax.scan(chunk, carry, jnp.arange(n_chunks, dtype=jnp.int32))
+        tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
+        first_B = jnp.take_along_axis(tokens_BS, prompt_len_B[:, None], axis=1)[:, 0]
+        max_new_B = state_in["max_new_B"]
+        done_B = state_in["pad_B"] | jnp.isin(first_B, jnp.asarray(cfg.stop_ids or (-1,))) | (max_new_B <= 1)
+        return LoopState(
+            tokens_BS=tokens_BS,
+            prompt_len_B=prompt_len_B,
+            length_B=prompt_len_B,
+            end_B=prompt_len_B + 1,
+            max_new_B=max_new_B,
+            done_B=done_B,
+            target_cache=tcache,
+            draft_cache=dcache,
+            draft_B=draft_B,
+            draft_q_BV=q_BV,
+            hidden_BD=hidden_BD,
+            key=key,
+            cycles=jnp.zeros((), jnp.int32),
+            reached_J=jnp.zeros((J,), jnp.int32),
+            accepted_J=jnp.zeros((J,), jnp.int32),
+            accept_hist_A=jnp.zeros((J + 1,), jnp.int32),
+        )
+
+    # ------------------------------------------------------------------ the cycle loop
+    def _run_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, max_cycles):
+        """Run cycles until every sequence is done or `max_cycles` more cycles ran (for streaming)."""
+        self.traces += 1
+        limit = state.cycles + max_cycles
+
+        def cond(s: LoopState):
+            return jnp.any(~s.done_B) & (s.cycles < limit)
+
+        return jax.lax.while_loop(cond, lambda s: self._cycle(cfg, tparams, dparams, s), state)
+
+    def _cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:
+        J, sampling = cfg.num_steps, cfg.sampling
+        B, S = s.tokens_BS.shape
+        n_B = s.length_B
+        key, draft_key, accept_key, extend_key = jax.random.split(s.key, 4)
+        pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
+
+        # 1. draft J tokens (the first came from the last draft-extend)
+        drafts, qs = [s.draft_B], [s.draft_q_BV]
+        dcache, token_B, hidden_BD = s.draft_cache, s.draft_B, s.hidden_BD
+        for j, k in enumerate(jax.random.split(draft_key, max(J - 1, 1))[: J - 1], start=1):
+            pos_BT = (n_B + j - 1)[:, None]  # drafter position of d_j (= target position of its predecessor)
+            logits, h2, dcache = self.drafter.apply(
+                dparams, token_B[:, None], hidden_BD[:, None], pos_BT, dcache, first_step=False
+            )
+            token_B, q_BV = self._draft_choose(k, logits[:, 0], sampling)
+            hidden_BD = self._replicated(h2)[:, 0]
+            drafts.append(token_B)
+            qs.append(q_BV)
+        draft_BJ = jnp.stack(drafts[:J], axis=1) if J else jnp.zeros((B, 0), jnp.int32)
+
+        # 2. verify [pending, d_1..d_J] at positions n..n+J
+        verify_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
+        pos_BT = n_B[:, None] + jnp.arange(J + 1, dtype=jnp.int32)
+        out, tcache, captured = self._target_step(tparams, verify_BT, pos_BT, s.target_cache, cfg)
+
+        # 3. accept
+        if sampling.greedy:
+            accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
+        else:
+            p_BTV = jnp.exp(warp(out, sampling))
+            q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
+            accepted_B, next_B = speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
+
+        # 4. commit: emitted tokens are d_1..d_a then the bonus; cut at the first stop id and at the budget
+        idx_T = jnp.arange(J + 1, dtype=jnp.int32)
+        emitted_BT = jnp.where(idx_T < accepted_B[:, None], jnp.pad(draft_BJ, ((0, 0), (0, 1))), next_B[:, None])
+        stop_BT = jnp.isin(emitted_BT, jnp.asarray(cfg.stop_ids or (-1,))) & (idx_T <= accepted_B[:, None])
+        first_stop_B = jnp.where(stop_BT.any(1), jnp.argmax(stop_BT, axis=1), J + 1)
+        budget_B = s.max_new_B - (s.end_B - s.prompt_len_B)
+        keep_B = jnp.minimum(jnp.minimum(accepted_B + 1, first_stop_B + 1), budget_B)
+        write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)  # noqa: E731
+        active_B = ~s.done_B
+        tokens_BS = jnp.where(active_B[:, None], jax.vmap(write)(s.tokens_BS, emitted_BT, n_B + 1), s.tokens_BS)
+        end_B = jnp.where(active_B, s.end_B + keep_B, s.end_B)
+        length_B = jnp.where(active_B, n_B + accepted_B + 1, n_B)
+        done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
+
+        # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
+        draft_B, q_BV, hidden_BD = s.draft_B, s.draft_q_BV, s.hidden_BD
+        if J:
+            logits, h2, dcache = self.drafter.apply(
+                dparams, emitted_BT, concat_captured(captured), pos_BT, dcache, first_step=True
+            )
+            pick = lambda x: jnp.take_along_axis(self._replicated(x), accepted_B[:, None, None], axis=1)[:, 0]  # noqa: E731
+            new_draft_B, new_q_BV = self._draft_choose(extend_key, pick(logits), sampling)
+            draft_B = jnp.where(active_B, new_draft_B, s.draft_B)
+            q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
+            hidden_BD = jnp.where(active_B[:, None], pick(h2).astype(s.hidden_BD.dtype), s.hidden_BD)
+
+        # 6. statistics over the sequences that were active this cycle
+        idx_J = jnp.arange(J, dtype=jnp.int32)
+        count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)  # noqa: E731
+        return LoopState(
+            tokens_BS=tokens_BS,
+            prompt_len_B=s.prompt_len_B,
+            length_B=length_B,
+            end_B=end_B,
+            max_new_B=s.max_new_B,
+            done_B=done_B,
+            target_cache=tcache,
+            draft_cache=dcache,
+            draft_B=draft_B,
+            draft_q_BV=q_BV,
+            hidden_BD=hidden_BD,
+            key=key,
+            cycles=s.cycles + 1,
+            reached_J=s.reached_J + count(accepted_B[:, None] >= idx_J),
+            accepted_J=s.accepted_J + count(accepted_B[:, None] > idx_J),
+            accept_hist_A=s.accept_hist_A + count(accepted_B[:, None] == jnp.arange(J + 1)),
+        )

@@ -1,0 +1,172 @@
+"""The compiled draft-verify loop: lossless against plain decoding, acceptance bookkeeping, buckets, bad input."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from jaxspec import KimiConfig, Target
+from jaxspec.decoding.generate import generate
+from jaxspec.decoding.sampling import Sampling, warp
+from sharding.mesh import make_mesh
+from tests.decoding.drafters import OracleDrafter, random_drafter
+
+CFG = KimiConfig.preset("tiny")
+RNG = np.random.default_rng(7)
+PROMPTS = {
+    n: [RNG.integers(2, CFG.vocab_size, size=int(s)).tolist() for s in RNG.integers(1, 12, n)] for n in (1, 3, 8)
+}
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target.random(CFG, dtype=jnp.float32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return random_drafter(target)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Plain greedy outputs per batch size, and a stop id that ends the middle sequence half way."""
+    out = {n: generate(target, None, p, max_new_tokens=NEW, num_steps=0).tokens for n, p in PROMPTS.items()}
+    return out
+
+
+def stop_mid_batch(plain_tokens):
+    mid = plain_tokens[len(plain_tokens) // 2]
+    return [mid[NEW // 2]]
+
+
+def check_lossless(target, drafter, n, k, plain):
+    stop = stop_mid_batch(plain[n])
+    ref = generate(target, None, PROMPTS[n], max_new_tokens=NEW, num_steps=0, stop=stop).tokens
+    assert any(len(t) < NEW for t in ref), "the stop id must end a sequence early"
+    out = generate(target, drafter, PROMPTS[n], max_new_tokens=NEW, num_steps=k, stop=stop)
+    assert out.tokens == ref
+    return out
+
+
+@pytest.mark.parametrize("k", range(1, 7))
+def test_greedy_speculative_equals_plain_batch3(target, drafter, plain, k):
+    out = check_lossless(target, drafter, 3, k, plain)
+    s = out.stats
+    assert len(s["reached"]) == k and s["reached"][0] == sum(s["accepted_length_histogram"])
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_greedy_speculative_equals_plain_other_batches(target, drafter, plain, n):
+    check_lossless(target, drafter, n, 3, plain)
+
+
+@pytest.mark.parametrize("mesh", ["1x8", "2x4"])
+def test_greedy_on_mesh_equals_single_device(target, plain, mesh):
+    sharded = target.on_mesh(make_mesh(mesh))
+    check_lossless(sharded, random_drafter(sharded), 8, 2, plain)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [None, "1x8"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("k", range(1, 7))
+def test_greedy_full_sweep(target, plain, mesh, n, k):
+    t = target if mesh is None else target.on_mesh(make_mesh(mesh))
+    check_lossless(t, random_drafter(t), n, k, plain)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_oracle_drafter_accepts_everything(target, plain, k):
+    prompts = PROMPTS[3]
+    ref = generate(target, None, prompts, max_new_tokens=NEW + k + 1, num_steps=0).tokens
+    width = max(len(p) for p in prompts) + NEW + k + 4
+    table = np.zeros((4, width), np.int32)
+    for i, (p, r) in enumerate(zip(prompts, ref, strict=True)):
+        table[i, : len(p) + len(r)] = p + r
+    out = generate(target, OracleDrafter(target, table), prompts, max_new_tokens=NEW, num_steps=k)
+    assert out.tokens == [r[:NEW] for r in ref]
+    s = out.stats
+    assert s["accepted"] == s["reached"] and s["accepted_length_histogram"][:-1] == [0] * k
+    # The first token comes from prefill; each cycle then emits k + 1 (the last one is cut at the budget).
+    assert s["cycles"] == math.ceil((NEW - 1) / (k + 1))
+
+
+def test_new_prompt_length_in_bucket_does_not_recompile(target, drafter):
+    first = generate(target, drafter, [[5, 6, 7]], max_new_tokens=8, num_steps=2)
+    again = generate(target, drafter, [[9, 8, 7, 6, 5, 4, 3]], max_new_tokens=10, num_steps=2)
+    assert first.stats["buckets"] == again.stats["buckets"]
+    assert again.stats["compiles"] == 0
+
+
+@pytest.fixture(scope="module")
+def peaky(target):
+    """The tiny target with its head scaled x25: random init gives near-uniform logits, too flat to test against."""
+    params = jax.tree.map(lambda x: x, target.params)
+    params["lm_head"] = params["lm_head"].replace(params["lm_head"].get_value() * 25.0)
+    return dataclasses.replace(target, params=params)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.6)])
+@pytest.mark.parametrize("which", ["random", "oracle"])
+def test_sampling_is_lossless(peaky, sampling, which):
+    """The (first, second) generated tokens follow the target's distribution; the second is the first token drawn
+    inside the loop (after a draft and a verify), the first comes from prefill."""
+    target, prompt, n = peaky, [17, 4, 99], 20_000
+    if which == "random":
+        d = random_drafter(target)
+    else:  # a drafter that always proposes the target's greedy token: q is (nearly) a point mass
+        table = np.zeros((n, 32), np.int32)
+        table[:, :7] = prompt + generate(target, None, [prompt], max_new_tokens=4, num_steps=0).tokens[0]
+        d = OracleDrafter(target, table)
+    out = generate(target, d, [prompt] * n, max_new_tokens=2, num_steps=2, seed=3, **sampling)
+    pairs = np.array([t for t in out.tokens if len(t) == 2])  # a sequence whose first token is eos stops there
+    assert len(pairs) > 0.9 * n
+
+    warped = lambda logits: np.exp(np.asarray(warp(jnp.asarray(logits), Sampling(**sampling))))  # noqa: E731
+    p_first = warped(np.asarray(target.logits([prompt]))[0, -1])
+    firsts = np.unique(pairs[:, 0])
+    p_second = warped(np.asarray(target.logits([prompt + [int(f)] for f in firsts]))[:, -1])
+    expected = p_first[firsts, None] * p_second  # joint over (first, second), renormalised below
+    observed = np.zeros_like(expected)
+    np.add.at(observed, (np.searchsorted(firsts, pairs[:, 0]), pairs[:, 1]), 1)
+    assert observed[expected == 0].sum() == 0, "a token outside the warped support was emitted"
+    expected *= observed.sum() / expected.sum()
+    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    obs, exp = np.append(observed[keep], observed[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]  # the pooled cell is empty when top-p removed every rare token
+    assert keep.sum() >= 10, "too few cells for a meaningful test"
+    pvalue = scipy_stats.chisquare(obs, exp).pvalue
+    assert pvalue > 1e-3, pvalue
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompts=[[]]), "prompts\\[0\\] is empty"),
+        (dict(prompts=[]), "non-empty list"),
+        (dict(prompts=[[1, 300]]), "token ids must be in \\[0, 256\\)"),
+        (dict(prompts=[[1] * 1020]), "exceeds the context of 1024"),
+        (dict(num_steps=-1), "num_steps: expected an integer in \\[0, 16\\]"),
+        (dict(num_steps=17), "num_steps: expected an integer in \\[0, 16\\]"),
+        (dict(temperature=-0.5), "temperature: expected >= 0"),
+        (dict(temperature=1.0, top_p=0.0), "top_p: expected a value in \\(0, 1\\]"),
+        (dict(temperature=1.0, top_p=1.5), "top_p: expected a value in \\(0, 1\\]"),
+        (dict(prompts=["hello"]), "pass tokenizer="),
+        (dict(max_new_tokens=0), "max_new_tokens: expected an integer >= 1"),
+    ],
+)
+def test_bad_input_fails_before_compiling(target, drafter, kwargs, match):
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=8, num_steps=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(target, drafter, **args)
+
+
+def test_steps_without_drafter(target):
+    with pytest.raises(ValueError, match="num_steps=2 needs a drafter"):
+        generate(target, None, [[1, 2]], num_steps=2)
