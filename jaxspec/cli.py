@@ -1,5 +1,6 @@
 """The `jaxspec` command.
 
+    jaxspec generate  speculative (or plain) generation with a target and an EAGLE-3 drafter
     jaxspec predict   load a target and print its next-token predictions for a prompt of token ids
     jaxspec inspect   compile one decode/verify step (abstract weights: nothing allocated) and report its
                       collectives and per-device memory
@@ -52,6 +53,33 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--prompt", default="1,17,42,7,99", help="comma-separated token ids (default: %(default)s)")
     pr.add_argument("--top", type=int, default=5, help="candidates per position (default: %(default)s)")
 
+    gen = sub.add_parser(
+        "generate",
+        help="speculative (or plain) generation; prints text and statistics",
+        description="Generate with EAGLE-3 speculative decoding. --prompt is text (needs a tokenizer: tiktoken.model "
+        "or tokenizer.json in --tokenizer, default the --model directory) or comma-separated token ids with --ids.",
+    )
+    _add_target_args(gen)
+    gen.add_argument(
+        "--drafter",
+        help="EAGLE-3 drafter directory (SGLang or speculators format); with --preset and no --drafter a random "
+        "drafter is used (it accepts ~nothing)",
+    )
+    gen.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument("--ids", action="store_true", help="prompts are comma-separated token ids, not text")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    gen.add_argument(
+        "--num-steps", type=int, default=3, help="draft tokens per cycle, 0 = plain (default: %(default)s)"
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stats", action="store_true", help="print acceptance statistics")
+    gen.add_argument("--stream", action="store_true", help="print text as cycles complete")
+
     ins = sub.add_parser(
         "inspect",
         help="collectives and per-device memory of a compiled decode/verify step",
@@ -76,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
         simulate_cpu_devices(args.cpu_devices)
     args.preset_record = describe(applied["preset"])
-    return {"predict": cmd_predict, "inspect": cmd_inspect}[args.command](args)
+    return {"generate": cmd_generate, "predict": cmd_predict, "inspect": cmd_inspect}[args.command](args)
 
 
 def _target(args, *, abstract: bool):
@@ -98,6 +126,83 @@ def _target(args, *, abstract: bool):
     if abstract:
         return Target.abstract(cfg, mesh=mesh, dtype=dtype), f"preset {name!r}"
     return Target.random(cfg, mesh=mesh, dtype=dtype), f"preset {name!r} (random weights)"
+
+
+def cmd_generate(args) -> int:
+    from jaxspec.decoding.generate import generate
+    from jaxspec.drafter import Drafter, load_drafter
+    from jaxspec.models.eagle3 import draft_config_for
+    from jaxspec.tokenizer import load_tokenizer
+
+    target, source = _target(args, abstract=False)
+    drafter = None
+    if args.num_steps:
+        if args.drafter:
+            drafter = load_drafter(args.drafter, target, dtype=target.dtype)
+        elif args.model:
+            raise SystemExit("jaxspec generate: --num-steps > 0 with --model needs --drafter (or --num-steps 0)")
+        else:
+            drafter = Drafter.random(draft_config_for(target.config), target, dtype=target.dtype)
+    tokenizer = None
+    if not args.ids or args.chat:
+        tok_dir = args.tokenizer or args.model
+        if tok_dir is None:
+            raise SystemExit(
+                "jaxspec generate: text prompts need --tokenizer (or --model with a tokenizer); use --ids for token ids"
+            )
+        tokenizer = load_tokenizer(tok_dir)
+    if args.ids:
+        try:
+            prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
+        except ValueError:
+            raise SystemExit("jaxspec generate: --ids expects comma-separated integers") from None
+    else:
+        prompts = list(args.prompt)
+    if args.chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+
+    printed = [0] * len(prompts)
+
+    def stream(tokens: list[list[int]]) -> None:
+        for i, toks in enumerate(tokens):
+            text = tokenizer.decode(toks) if tokenizer else ",".join(map(str, toks))
+            if len(text) > printed[i]:
+                print(text[printed[i] :], end="", flush=True)
+                printed[i] = len(text)
+
+    result = generate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.num_steps,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        on_cycles=stream if args.stream and len(prompts) == 1 else None,
+    )
+    if args.stream and len(prompts) == 1:
+        print()
+    else:
+        for i, toks in enumerate(result.tokens):
+            body = result.text[i] if result.text is not None else ",".join(map(str, toks))
+            print(f"[{i}] {body}")
+    if args.stats:
+        s = result.stats
+        print(
+            f"target: {source}; drafter: {args.drafter or ('random' if drafter else 'none')}; "
+            f"num_steps {s['num_steps']}"
+        )
+        print(
+            f"{s['new_tokens']} new tokens in {s['cycles']} cycles, {s['seconds']:.2f}s "
+            f"({s['tokens_per_second']:.1f} tok/s incl. compile on first call; {s['compiles']} compile(s))"
+        )
+        print(f"mean accepted length (incl. bonus): {s['mean_accepted_length']:.2f}")
+        for j, (r, a) in enumerate(zip(s["reached"], s["accepted"], strict=True), start=1):
+            print(f"  draft position {j}: reached {r}, accepted {a} ({a / max(r, 1):.1%})")
+    return 0
 
 
 def cmd_predict(args) -> int:

@@ -34,3 +34,16 @@ def test_inspect_counts_collectives_of_a_verify_step(tmp_path, capsys):
 def test_unknown_collective_preset():
     with pytest.raises(ValueError, match="unknown collective preset 'fast'"):
         main(["--collective-preset", "fast", "predict"])
+
+
+def test_generate_with_ids_and_stats(capsys):
+    argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--prompt", "7,8"]
+    assert main([*argv, "--num-steps", "2", "--max-new-tokens", "6", "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[0] ") and "\n[1] " in out
+    assert "draft position 2: reached" in out and "mean accepted length" in out
+
+
+def test_generate_text_prompt_needs_a_tokenizer():
+    with pytest.raises(SystemExit, match="need --tokenizer"):
+        main(["generate", "--preset", "tiny", "--prompt", "hello"])

@@ -214,6 +214,31 @@ class Eagle3Config:
         )
 
 
+def draft_config_for(target: KimiConfig, *, heads: int = 8, kv_heads: int = 4, capture_layers=None) -> Eagle3Config:
+    """A one-layer drafter config sized for `target` (same hidden size, full vocabulary), e.g. to train from scratch
+    or as a random drafter. Capture layers default to the outputs of [1, L//2-1, L-4] (first/middle/last for targets
+    too shallow for that)."""
+    L = target.num_hidden_layers
+    ids = capture_layers or (default_capture_layers(L) if L >= 8 else tuple(sorted({0, L // 2, L - 1})))
+    return Eagle3Config.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": target.hidden_size,
+            "intermediate_size": 2 * target.hidden_size,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "num_hidden_layers": 1,
+            "vocab_size": target.vocab_size,
+            "rms_norm_eps": target.rms_norm_eps,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": target.max_position_embeddings,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids)},
+        },
+        target_config=target,
+    )
+
+
 def default_capture_layers(num_layers: int) -> tuple[int, ...]:
     """SGLang/vLLM/speculators default: inputs of layers [2, L//2, L-3] = outputs of [1, L//2-1, L-4]."""
     return (1, num_layers // 2 - 1, num_layers - 4)

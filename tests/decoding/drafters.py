@@ -9,30 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import Eagle3Config
 from jaxspec.drafter import Drafter
+from jaxspec.models.eagle3 import draft_config_for
 
 
 def random_drafter(target, seed: int = 1) -> Drafter:
-    L = target.config.num_hidden_layers
-    cfg = Eagle3Config.from_hf_config(
-        {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": target.config.hidden_size,
-            "intermediate_size": 2 * target.config.hidden_size,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "num_hidden_layers": 1,
-            "vocab_size": target.config.vocab_size,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "max_position_embeddings": 1024,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, L // 2, L - 1]},
-        },
-        target_config=target.config,
-    )
-    return Drafter.random(cfg, target, dtype=target.dtype, seed=seed)
+    return Drafter.random(draft_config_for(target.config), target, dtype=target.dtype, seed=seed)
 
 
 class OracleDrafter:
