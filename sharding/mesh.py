@@ -1,4 +1,6 @@
-"""Mesh construction: a ("data", "model") mesh over local or global devices."""
+"""Mesh construction: a ("data", "model") mesh over local or global devices (multi-host: `init_distributed` first;
+`jax.devices()` then lists every process's devices and the same program runs on one CPU process, one 8-GPU host or a
+TPU slice)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,22 @@ def make_mesh(shape: str | Sequence[int] | None = None, devices: Sequence[jax.De
     if data * model != len(devices):
         raise ValueError(f"mesh shape {data}x{model} needs {data * model} devices, {len(devices)} available")
     return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=(AxisType.Explicit,) * 2)
+
+
+def init_distributed(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
+    """Join a multi-host run before anything touches a device; `make_mesh` then spans every process's devices.
+
+    With no arguments JAX reads the cluster from the environment (TPU pod slices, SLURM, Open MPI, or
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). On one host with local devices, skip this call.
+    """
+    given = [coordinator_address is not None, num_processes is not None, process_id is not None]
+    if any(given) and not all(given):
+        raise ValueError("init_distributed: give coordinator_address, num_processes and process_id together (or none)")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"init_distributed: process_id {process_id} not in [0, num_processes={num_processes})")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
 
 def single_device_mesh() -> Mesh:

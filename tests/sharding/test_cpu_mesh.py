@@ -33,3 +33,17 @@ def test_200_unsynchronised_collectives_complete():
     for _ in range(200):
         x = step(x)  # no block_until_ready: dispatch runs ahead of execution
     assert float(x.block_until_ready().addressable_data(0)[0, 0]) == 201.0
+
+
+def test_mesh_layouts_and_errors():
+    from sharding.mesh import init_distributed, parse_shape
+
+    assert dict(make_mesh("2x4").shape) == {"data": 2, "model": 4} and dict(make_mesh().shape)["model"] == 8
+    with pytest.raises(ValueError, match="needs 12 devices, 8 available"):
+        make_mesh("3x4")
+    with pytest.raises(ValueError, match="expected 'DATAxMODEL'"):
+        parse_shape("8")
+    with pytest.raises(ValueError, match="together"):
+        init_distributed("localhost:1234")
+    with pytest.raises(ValueError, match="process_id 2 not in"):
+        init_distributed("localhost:1234", 2, 2)
