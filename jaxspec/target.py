@@ -271,11 +271,16 @@ def _check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules) -> None:
 def load_target(
     path: str | Path, *, mesh: Mesh | None = None, dtype=jnp.bfloat16, rules: ShardingRules = DEFAULT_RULES
 ) -> Target:
-    """Load an HF-layout checkpoint directory (config.json + safetensors; bf16 or INT4 pack-quantized experts)."""
+    """Load an HF-layout checkpoint directory (config.json + safetensors; bf16 or INT4 pack-quantized experts), or
+    a `jaxspec-convert target` output (Orbax), restored straight into the mesh's shardings."""
+    from jaxspec.checkpoint import maybe_restore
     from jaxspec.hf import read_params
 
-    cfg = KimiConfig.from_pretrained(path)
     mesh = mesh or single_device_mesh()
+    converted = maybe_restore(path, mesh=mesh, dtype=dtype, rules=rules)  # None for an HF directory
+    if converted is not None:
+        return converted
+    cfg = KimiConfig.from_pretrained(path)
     _check_mesh(cfg, mesh, rules)
     int4 = cfg.quant is not None
     graphdef, abstract = nnx.split(Target._abstract_model(cfg, dtype, int4))

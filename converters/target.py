@@ -1,0 +1,334 @@
+"""HF safetensors target -> Orbax checkpoint, one layer at a time, resumable (layout: `jaxspec.checkpoint`).
+
+Every tensor's name and shape is checked from the safetensors headers before anything is written (all problems in
+one `CheckpointError`). Then each group (top-level weights, then each decoder layer) is read lazily through the
+index, built with `jaxspec.hf`'s name table, saved as its own Orbax checkpoint and released: host memory holds at
+most the layer being read plus the one being written. A rerun skips finalized groups; the completion marker is
+written last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from safetensors import safe_open
+from tqdm import tqdm
+
+from converters.fp8 import Fp8DequantizedDir, dequantized_config, fp8_block
+from jaxspec.checkpoint import (
+    FORMAT,
+    MARKER,
+    PLAN,
+    VERSION,
+    done_file,
+    flatten_int4,
+    group_dir,
+    group_names,
+    is_group_complete,
+    layer_group,
+    stack_of,
+)
+from jaxspec.config import KimiConfig
+from jaxspec.hf import (
+    CheckpointError,
+    SafetensorsDir,
+    _expert_names,
+    _is_ignorable,
+    _layer_table,
+    _read_layer,
+    _Reader,
+)
+from jaxspec.target import Target
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+
+
+@dataclasses.dataclass
+class ConvertReport:
+    """What a conversion run did."""
+
+    written: list[str]
+    skipped: list[str]  # groups already complete from an earlier run
+    skipped_vision: int
+    skipped_mtp: int
+    bytes_written: int
+    verified: list[str] = dataclasses.field(default_factory=list)
+
+
+def convert_target(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    progress: bool = True,
+    verify: bool = False,
+    on_group_written: Callable[[str], None] | None = None,
+) -> ConvertReport:
+    """Convert the HF checkpoint in `src` to an Orbax checkpoint in `dst` (resuming a previous run into `dst`).
+
+    `dtype` is the storage dtype of non-expert weights (INT4 experts stay INT4 with their stored scales).
+    `on_group_written(name)` is called after each group is finalized (progress hooks, tests).
+    """
+    src, dst = Path(src), Path(dst)
+    if (dst / MARKER).is_file():
+        raise FileExistsError(f"{dst} already holds a complete conversion ({MARKER}); remove it to convert again")
+    cfg, reader, dequantized = open_source(src)
+    int4 = cfg.quant is not None
+    mtp = check_names(reader, cfg, int4, src)
+
+    plan = {"format": FORMAT, "version": VERSION, "source": str(src.resolve()), "dtype": dtype, "int4_experts": int4}
+    plan["dequantized_fp8"] = dequantized is not None
+    plan["groups"] = group_names(cfg)
+    _write_or_check_plan(dst, plan)
+    _copy_small_files(src, dst)
+    if dequantized is not None:  # the stored weights are no longer FP8: drop the quantization_config
+        (dst / "config.json").write_text(json.dumps(dequantized, indent=2) + "\n")
+
+    sizes = _group_bytes(cfg, jnp.dtype(dtype), int4)
+    todo = [g for g in plan["groups"] if not is_group_complete(dst, g)]
+    done = [g for g in plan["groups"] if g not in todo]
+    bar = tqdm(
+        total=sum(sizes[g] for g in todo),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="convert",
+        disable=not progress,
+    )
+    ck = ocp.StandardCheckpointer()
+    written, cast = [], _caster(np.dtype(jnp.dtype(dtype)))
+
+    def saved(name: str | None) -> None:
+        ck.wait_until_finished()
+        if name is None:
+            return
+        if not ocp.utils.is_checkpoint_finalized(group_dir(dst, name)):
+            raise RuntimeError(f"orbax did not finalize {group_dir(dst, name)}")
+        done_file(dst, name).touch()
+        bar.update(sizes[name])
+        if on_group_written is not None:
+            on_group_written(name)
+
+    try:
+        for name in todo:
+            tree = flatten_int4(read_group(reader, cfg, name, int4, cast))  # overlaps the previous group's write
+            _release_mappings(reader)
+            if reader.problems:
+                raise CheckpointError(f"{src}: problem(s) while reading {name}:\n  " + "\n  ".join(reader.problems))
+            saved(written[-1] if written else None)  # at most two groups in host memory
+            _remove_partial(group_dir(dst, name))
+            ck.save(group_dir(dst, name), tree)
+            written.append(name)
+            del tree
+        saved(written[-1] if written else None)
+    finally:
+        bar.close()
+        ck.close()
+    report = ConvertReport(written, done, reader.skipped, mtp, sum(sizes[g] for g in written))
+    if verify:
+        report.verified = verify_conversion(src, dst)
+    marker = {**plan, "skipped_vision_tensors": reader.skipped, "skipped_mtp_tensors": mtp}
+    tmp = dst / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    tmp.replace(dst / MARKER)  # atomic: the marker appears complete or not at all
+    return report
+
+
+def open_source(src: Path) -> tuple[KimiConfig, _Reader, dict[str, Any] | None]:
+    """(config, lazy reader, dequantised config.json or None): FP8 block checkpoints are read dequantised."""
+    raw_path = src / "config.json"
+    if not raw_path.is_file():
+        raise FileNotFoundError(f"config.json not found in {src}")
+    raw = json.loads(raw_path.read_text())
+    block = fp8_block(raw)
+    if block is None:
+        cfg, ckpt, dequantized = KimiConfig.from_pretrained(src), SafetensorsDir(src), None
+    else:
+        dequantized = dequantized_config(raw)
+        cfg, ckpt = KimiConfig.from_hf_config(dequantized), Fp8DequantizedDir(src, block)
+    root = src.resolve()
+    outside = sorted({str(f) for f in ckpt.files.values() if not f.resolve().is_relative_to(root)})
+    if outside:
+        raise CheckpointError(f"{src}: the index points outside the checkpoint directory: {outside}")
+    for f in sorted(set(ckpt.files.values())):  # every header, before anything is written
+        try:
+            with safe_open(f, "numpy"):
+                pass
+        except Exception as e:  # safetensors raises its own error type, naming no file
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
+    return cfg, _Reader(ckpt), dequantized
+
+
+def read_group(reader: _Reader, cfg: KimiConfig, name: str, int4: bool, cast) -> dict[str, Any]:
+    """The parameters of one group as a nested dict of numpy arrays (Int4Array for INT4 experts)."""
+    if name == "top":
+        D, V = cfg.hidden_size, cfg.vocab_size
+        out = {"embed": cast(reader.get("model.embed_tokens.weight", (V, D)))}
+        out["final_norm"] = cast(reader.get("model.norm.weight", (D,)))
+        head = reader.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", (V, D))
+        out["lm_head"] = None if head is None else cast(head.T)
+        return out
+    layer = int(name.removeprefix("layer_"))
+    return _read_layer(reader, cfg, layer, stack_of(cfg, layer)[0] == "moe_layers", int4, cast)
+
+
+def check_names(reader: _Reader, cfg: KimiConfig, int4: bool, src: Path) -> int:
+    """Check every expected tensor's presence and shape from the headers alone, and flag unexpected ones.
+
+    Raises CheckpointError listing every problem; returns the number of skipped MTP (extra-layer) tensors.
+    """
+    D, V = cfg.hidden_size, cfg.vocab_size
+    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        expected["lm_head.weight"] = (V, D)
+    E, F, g = cfg.n_routed_experts, cfg.moe_intermediate_size, (cfg.quant.group_size if int4 else 0)
+    for layer in range(cfg.num_hidden_layers):
+        moe = stack_of(cfg, layer)[0] == "moe_layers"
+        for _, suffix, shape, _ in _layer_table(cfg, moe):
+            expected[f"model.layers.{layer}.{suffix}"] = shape
+        if not moe:
+            continue
+        for e in range(E):
+            for proj in ("gate", "up", "down"):
+                out_f, in_f = (D, F) if proj == "down" else (F, D)
+                base = _expert_names(layer, e, proj)
+                if int4:
+                    expected[f"{base}.weight_packed"] = (out_f, in_f // 8)
+                    expected[f"{base}.weight_scale"] = (out_f, in_f // g)
+                    expected[f"{base}.weight_shape"] = (2,)
+                else:
+                    expected[f"{base}.weight"] = (out_f, in_f)
+    problems = []
+    for name, shape in expected.items():
+        if name not in reader.names:
+            problems.append(f"missing tensor {name} (expected shape {list(shape)})")
+            continue
+        actual = reader.ckpt.shape(reader.names[name])
+        if actual != tuple(shape):
+            problems.append(f"{name}: expected shape {list(shape)}, got {list(actual)}")
+    extra = set(reader.names) - set(expected)
+    mtp = sum(1 for n in extra if re.match(r"model\.layers\.(\d+)\.", n) and _is_ignorable(n, cfg))
+    problems += [f"unexpected tensor {n}" for n in sorted(n for n in extra if not _is_ignorable(n, cfg))]
+    if problems:
+        raise CheckpointError(f"{src}: {len(problems)} problem(s) with the checkpoint:\n  " + "\n  ".join(problems))
+    return mtp
+
+
+def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> list[str]:
+    """Re-read a sample of groups from both sides (top, first/middle/last layers) and compare them exactly.
+
+    Raises CheckpointError listing every missing, unexpected, mis-shaped or differing tensor; returns the groups
+    compared.
+    """
+    src, dst = Path(src), Path(dst)
+    plan = json.loads((dst / PLAN).read_text())
+    cfg, reader, _ = open_source(src)
+    int4 = cfg.quant is not None
+    n = cfg.num_hidden_layers
+    # First, last, first MoE and middle layer, in that priority.
+    layers = sorted(list(dict.fromkeys(i for i in (0, n - 1, cfg.first_k_dense_replace, n // 2) if i < n))[:sample])
+    groups = ["top"] + [layer_group(i) for i in layers]
+    ck, problems = ocp.StandardCheckpointer(), []
+    cast = _caster(np.dtype(jnp.dtype(plan["dtype"])))
+    for name in groups:
+        ref = dict(_flat(flatten_int4(read_group(reader, cfg, name, int4, cast))))
+        got = dict(_flat(ck.restore(group_dir(dst, name))))
+        for key in sorted(set(ref) | set(got)):
+            label = f"{name}/{'.'.join(key)}"
+            if key not in got:
+                problems.append(f"missing tensor {label} (expected shape {list(ref[key].shape)})")
+            elif key not in ref:
+                problems.append(f"unexpected tensor {label} (shape {list(np.shape(got[key]))})")
+            elif np.shape(got[key]) != ref[key].shape or np.asarray(got[key]).dtype != ref[key].dtype:
+                problems.append(
+                    f"{label}: expected {list(ref[key].shape)} {ref[key].dtype}, "
+                    f"got {list(np.shape(got[key]))} {np.asarray(got[key]).dtype}"
+                )
+            elif not np.array_equal(np.asarray(got[key]), ref[key]):
+                problems.append(f"{label}: values differ from the source")
+    ck.close()
+    problems += reader.problems
+    if problems:
+        raise CheckpointError(f"{dst}: verification found {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _caster(dtype: np.dtype):
+    return lambda a: None if a is None else np.asarray(a).astype(dtype)
+
+
+def _flat(tree: dict, prefix: tuple = ()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, (*prefix, k))
+        else:
+            yield (*prefix, k), v
+
+
+def _group_bytes(cfg: KimiConfig, dtype, int4: bool) -> dict[str, int]:
+    """Bytes each group occupies once converted (from the abstract model: nothing allocated)."""
+    _, abstract = nnx.split(Target._abstract_model(cfg, dtype, int4))
+    out = dict.fromkeys(group_names(cfg), 0)
+    counts = {"dense_layers": cfg.first_k_dense_replace}
+    counts["moe_layers"] = cfg.num_hidden_layers - counts["dense_layers"]
+    per_layer = dict.fromkeys(counts, 0)
+    for path, var in nnx.to_flat_state(abstract):
+        nbytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in _leaves(var.get_value()))
+        if path[0] in per_layer:
+            per_layer[path[0]] += nbytes // max(counts[path[0]], 1)
+        else:
+            out["top"] += nbytes
+    for i in range(cfg.num_hidden_layers):
+        out[layer_group(i)] = per_layer[stack_of(cfg, i)[0]]
+    return out
+
+
+def _leaves(v) -> list:
+    return [v.packed, v.scale] if hasattr(v, "packed") else [v]
+
+
+def _write_or_check_plan(dst: Path, plan: dict) -> None:
+    path = dst / PLAN
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != plan:
+            diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+            raise ValueError(
+                f"{dst} holds a partial conversion with different settings ({', '.join(diff)}); "
+                "use another --dst or delete it"
+            )
+        return
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} is not empty and holds no jaxspec conversion; choose an empty --dst")
+    dst.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2) + "\n")
+
+
+def _copy_small_files(src: Path, dst: Path) -> None:
+    """config.json, tokenizer and other non-weight files (never the weights or their index)."""
+    for item in src.iterdir():
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and not item.name.endswith(".index.json"):
+            shutil.copy2(item, dst / item.name)
+
+
+def _release_mappings(reader: _Reader) -> None:
+    """Close the safetensors handles: their memory maps would otherwise keep every page read so far resident."""
+    reader.ckpt._handles.clear()
+
+
+def _remove_partial(target: Path) -> None:
+    """Drop an unfinished group (and Orbax temp dirs for it) left by an interrupted run."""
+    for d in [target, *target.parent.glob(f"{target.name}{ocp.utils.TMP_DIR_SUFFIX}*")]:
+        if d.is_dir():
+            shutil.rmtree(d)

@@ -1,0 +1,78 @@
+"""FP8 block-quantised (DeepSeek-V3 layout: e4m3 weights + float32 `weight_scale_inv` blocks) -> dequantised on
+conversion; equal to the same model with torch's own dequantisation of every weight written as float32."""
+
+import json
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import load_file, save_file
+
+from converters.target import convert_target
+from jaxspec import ConfigError, load_target
+
+BLOCK = 16  # small blocks, so tiny weights span several (and partial: 40 rows = 2.5 blocks)
+LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def write_fp8(src, dst) -> None:
+    """FP8 copy of `src` (every linear weight quantised per BLOCK x BLOCK, as DeepSeek-V3 ships) and, next to it in
+    `dst/../dense`, the float32 model holding torch's dequantisation of those weights."""
+    tensors = load_file(src / "model.safetensors")
+    fp8, dense = {}, {}
+    for name, w in tensors.items():
+        if not LINEAR.search(name):
+            fp8[name] = dense[name] = w
+            continue
+        r, c = w.shape
+        blocks = torch.nn.functional.pad(w.float(), (0, -c % BLOCK, 0, -r % BLOCK))
+        blocks = blocks.reshape(blocks.shape[0] // BLOCK, BLOCK, blocks.shape[1] // BLOCK, BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        expand = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:r, :c]
+        q = (w.float() / expand).to(torch.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale.float()
+        dense[name] = q.float() * expand
+    for path, t in ((dst, fp8), (dst.parent / "dense", dense)):
+        shutil.copytree(src, path)
+        save_file(t, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def test_fp8_checkpoint_equals_dequantised_model(hf_checkpoint, tmp_path):
+    fp8_dir = tmp_path / "fp8"
+    write_fp8(hf_checkpoint("dsv3")[0], fp8_dir)
+    with pytest.raises(ConfigError, match="jaxspec-convert"):
+        load_target(fp8_dir)  # FP8 goes through the converter
+    report = convert_target(fp8_dir, tmp_path / "out", dtype="float32", progress=False, verify=True)
+    assert report.verified
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    ours, ref = load_target(tmp_path / "out", dtype=jnp.float32), load_target(tmp_path / "dense", dtype=jnp.float32)
+    want = dict(nnx.to_flat_state(ref.params))
+    for path, var in nnx.to_flat_state(ours.params):
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want[path].get_value()), str(path))
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 10)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(10, dtype=np.int32), tokens.shape)
+    fwd = jax.jit(lambda params, ids: ours.apply(params, ids, pos, impl="expanded")[0])
+    np.testing.assert_array_equal(np.asarray(fwd(ours.params, tokens)), np.asarray(fwd(ref.params, tokens)))
+
+
+def test_fp8_scale_of_wrong_shape_is_reported(hf_checkpoint, tmp_path):
+    fp8_dir = tmp_path / "fp8"
+    write_fp8(hf_checkpoint("dsv3")[0], fp8_dir)
+    tensors = load_file(fp8_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_a_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, fp8_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"q_a_proj\.weight_scale_inv: expected shape \[2, 4\]"):
+        convert_target(fp8_dir, tmp_path / "out", progress=False)
