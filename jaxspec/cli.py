@@ -2,6 +2,7 @@
 
     jaxspec generate  speculative (or plain) generation with a target and an EAGLE-3 drafter
     jaxspec predict   load a target and print its next-token predictions for a prompt of token ids
+    jaxspec tune      sweep the draft depth, time each phase, model the trade-off and recommend k
     jaxspec inspect   compile one decode/verify step (abstract weights: nothing allocated) and report its
                       collectives and per-device memory
 
@@ -80,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print acceptance statistics")
     gen.add_argument("--stream", action="store_true", help="print text as cycles complete")
 
+    from jaxspec.profiling.tune import add_tune_arguments
+
+    tune = sub.add_parser(
+        "tune",
+        help="sweep the draft depth k, time every phase, fit the cost model and recommend k",
+        description="Run the real loop for k = 0..K on a prompt set, time each phase alone, predict tokens/s with "
+        "the step-count cost model, and write DIR/tune.json and DIR/tune.png.",
+    )
+    add_tune_arguments(tune)
+
     ins = sub.add_parser(
         "inspect",
         help="collectives and per-device memory of a compiled decode/verify step",
@@ -104,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
         simulate_cpu_devices(args.cpu_devices)
     args.preset_record = describe(applied["preset"])
+    if args.command == "tune":
+        from jaxspec.profiling.tune import cmd_tune
+
+        return cmd_tune(args)
     return {"generate": cmd_generate, "predict": cmd_predict, "inspect": cmd_inspect}[args.command](args)
 
 
