@@ -1,9 +1,9 @@
 """NumPy codec for compressed-tensors "pack-quantized" INT4 weights (symmetric, group-wise, no zero point).
 
 Layout (as in the Kimi-K2 / K2.5 checkpoints): int32 word g of a row holds input columns 8g..8g+7,
-column 8g+i in bits 4i..4i+3, each nibble storing q + 8 for q in [-8, 7]. Dequant is w = q * scale[group].
-Deliberately numpy-only: the loader uses it on host, and the tests check it against the compressed-tensors
-library itself.
+column 8g+i in bits 4i..4i+3, each nibble storing q + 8 for q in [-8, 7]. Dequant is w = q * scale[group]
+(`jaxspec.models.quant`: quantize / Int4Array.dequantize). Deliberately numpy-only: the loader uses it on host, and
+the tests check it against the compressed-tensors library itself.
 """
 
 from __future__ import annotations
@@ -45,40 +45,3 @@ def unpack_int4(packed: np.ndarray, in_features: int) -> np.ndarray:
     # Via uint32 so negative words (top nibble >= 8) shift logically; the mask makes it safe either way.
     nibbles = (packed.view(np.uint32)[..., None] >> _SHIFTS) & 0xF
     return (nibbles.astype(np.int8) - _OFFSET).reshape(*packed.shape[:-1], in_features)
-
-
-def _check_groups(name: str, in_features: int, group_size: int) -> int:
-    if group_size <= 0 or in_features % group_size:
-        raise ValueError(f"{name}: group_size {group_size} must be positive and divide in_features {in_features}")
-    return in_features // group_size
-
-
-def quantize_int4(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric group-wise INT4: returns q int8 [..., in] and scale float32 [..., in / group_size].
-
-    scale = max|w| over the group / 7, q = clip(round_half_even(w / scale), -8, 7), all in float32.
-    """
-    w = np.asarray(w)
-    if w.ndim < 1:
-        raise ValueError(f"quantize_int4: w must have an input dimension, got shape {w.shape}")
-    n_groups = _check_groups("quantize_int4", w.shape[-1], group_size)
-    wg = w.astype(np.float32).reshape(*w.shape[:-1], n_groups, group_size)
-    scale = np.abs(wg).max(axis=-1) / np.float32(INT4_MAX)
-    # All-zero groups (or an underflowing max/7) would divide by zero; scale 1 gives q = 0, dequantizing to 0.
-    scale = np.where(scale == 0, np.float32(1), scale).astype(np.float32)
-    q = np.clip(np.rint(wg / scale[..., None]), INT4_MIN, INT4_MAX).astype(np.int8)
-    return q.reshape(w.shape), scale
-
-
-def dequantize_int4(q: np.ndarray, scale: np.ndarray, group_size: int) -> np.ndarray:
-    """w[..., g * group_size + j] = q[..., g * group_size + j] * scale[..., g], in float32."""
-    q, scale = np.asarray(q), np.asarray(scale)
-    if q.ndim < 1:
-        raise ValueError(f"dequantize_int4: q must have an input dimension, got shape {q.shape}")
-    n_groups = _check_groups("dequantize_int4", q.shape[-1], group_size)
-    if scale.shape != (*q.shape[:-1], n_groups):
-        raise ValueError(
-            f"dequantize_int4: scale shape {scale.shape} does not match q shape {q.shape} with group_size {group_size}"
-        )
-    qg = q.astype(np.float32).reshape(*q.shape[:-1], n_groups, group_size)
-    return (qg * scale.astype(np.float32)[..., None]).reshape(q.shape)

@@ -93,13 +93,15 @@ def einsum(spec: str, x: jax.Array, w: Weight, *, dtype: jnp.dtype | None = None
 
 
 def quantize(w: jax.Array | np.ndarray, group_size: int, scale_dtype: jnp.dtype = SCALE_DTYPE) -> Int4Array:
-    """Symmetric group quantisation of a [..., I, O] weight (scale = group max|w| / 7), as compressed-tensors does."""
+    """Symmetric group quantisation of a [..., I, O] weight: scale = group max|w| / 7 (so +max never clips),
+    q = clip(round_half_even(w / scale), -8, 7) against the scale as stored. An all-zero group gets scale 1 (q = 0).
+    (compressed-tensors' min-max observer divides by 7.5 instead; both are valid pack-quantized weights.)"""
     w = jnp.asarray(w, jnp.float32)
     *lead, i, o = w.shape
     if i % group_size:
         raise ValueError(f"quantize: input dim {i} is not divisible by group_size {group_size}")
     grouped = w.reshape(*lead, i // group_size, group_size, o)
-    scale = (jnp.max(jnp.abs(grouped), axis=-2) / 7.0).astype(scale_dtype)
-    safe = jnp.where(scale == 0, 1, scale).astype(jnp.float32)
-    q = jnp.clip(jnp.round(grouped / safe[..., None, :]), -8, 7).reshape(w.shape)
+    scale = jnp.max(jnp.abs(grouped), axis=-2) / 7.0
+    scale = jnp.where(scale == 0, 1.0, scale).astype(scale_dtype)
+    q = jnp.clip(jnp.round(grouped / scale.astype(jnp.float32)[..., None, :]), -8, 7).reshape(w.shape)
     return Int4Array.from_values(q.astype(jnp.int8), scale, group_size)
