@@ -71,8 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ids", action="store_true", help="prompts are comma-separated token ids, not text")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     gen.add_argument(
-        "--num-steps", type=int, default=3, help="draft tokens per cycle, 0 = plain (default: %(default)s)"
+        "--num-steps",
+        default="3",
+        help="draft tokens per cycle, 0 = plain, or 'auto' = the recommended_k of --tune DIR/tune.json "
+        "(written by 'jaxspec tune') (default: %(default)s)",
     )
+    gen.add_argument("--tune", type=Path, help="directory holding tune.json from 'jaxspec tune' (for --num-steps auto)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -143,12 +147,26 @@ def _target(args, *, abstract: bool):
     return Target.random(cfg, mesh=mesh, dtype=dtype), f"preset {name!r} (random weights)"
 
 
+def _num_steps(args) -> int:
+    if args.num_steps != "auto":
+        try:
+            return int(args.num_steps)
+        except ValueError:
+            raise SystemExit(
+                f"jaxspec generate: --num-steps expects an integer or 'auto', got {args.num_steps!r}"
+            ) from None
+    if args.tune is None or not (args.tune / "tune.json").is_file():
+        raise SystemExit("jaxspec generate: --num-steps auto needs --tune DIR with the tune.json of 'jaxspec tune'")
+    return int(json.loads((args.tune / "tune.json").read_text())["recommended_k"])
+
+
 def cmd_generate(args) -> int:
     from jaxspec.decoding.generate import generate
     from jaxspec.drafter import Drafter, load_drafter
     from jaxspec.models.eagle3 import draft_config_for
     from jaxspec.tokenizer import load_tokenizer
 
+    args.num_steps = _num_steps(args)
     target, source = _target(args, abstract=False)
     drafter = None
     if args.num_steps:

@@ -47,3 +47,12 @@ def test_generate_with_ids_and_stats(capsys):
 def test_generate_text_prompt_needs_a_tokenizer():
     with pytest.raises(SystemExit, match="need --tokenizer"):
         main(["generate", "--preset", "tiny", "--prompt", "hello"])
+
+
+def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path, capsys):
+    (tmp_path / "tune.json").write_text(json.dumps({"recommended_k": 2}))
+    argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--max-new-tokens", "4", "--stats"]
+    assert main([*argv, "--num-steps", "auto", "--tune", str(tmp_path)]) == 0
+    assert "num_steps 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs --tune DIR"):
+        main([*argv, "--num-steps", "auto", "--tune", str(tmp_path / "missing")])
