@@ -254,12 +254,10 @@ class SpecLoop:
         # 6. statistics over the sequences that were active this cycle
         idx_J = jnp.arange(J, dtype=jnp.int32)
         count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)  # noqa: E731
-        return LoopState(
+        return s.replace(
             tokens_BS=tokens_BS,
-            prompt_len_B=s.prompt_len_B,
             length_B=length_B,
             end_B=end_B,
-            max_new_B=s.max_new_B,
             done_B=done_B,
             target_cache=tcache,
             draft_cache=dcache,
