@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 from speculators.models.eagle3 import Eagle3DraftModel
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig
+from transformers import DeepseekV3ForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from jaxspec.config import ConfigError, KimiConfig
@@ -28,6 +28,7 @@ from jaxspec.models.eagle3 import Eagle3Config, _read_draft_rope
 from jaxspec.target import Target, load_target
 from sharding.mesh import make_mesh
 from tests.reference import eagle3_speculators as ref
+from tests.reference.hf_tiny import hf_config
 
 L, D, V, U, T = 4, 64, 256, 60, 8
 SPEC_IDS = [1, 2, 3]  # speculators' input-of-layer ids = outputs of layers 0, 1, 2 (all below L-1, see below)
@@ -54,30 +55,8 @@ def rel_err(a, b) -> float:
 @pytest.fixture(scope="module")
 def hf_target(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(
-        vocab_size=V,
-        hidden_size=D,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=L,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        n_shared_experts=1,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        first_k_dense_replace=1,
-        max_position_embeddings=1024,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-5,
-        routed_scaling_factor=2.827,
-    )
+    # The shared tiny HF reference config, with L layers and default (non-yarn) RoPE.
+    cfg = hf_config("kimi", vocab_size=V, hidden_size=D, num_hidden_layers=L, rope_scaling=None)
     model = DeepseekV3ForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("target")
     model.save_pretrained(path)
