@@ -23,7 +23,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF-layout checkpoint directory (config.json + safetensors)")
     p.add_argument("--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5")
     p.add_argument("--mesh", default=None, help="mesh shape DATAxMODEL, e.g. 1x8 (default: all devices on MODEL)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="compute dtype (default: bfloat16; float32 for the bundled pair, which CPUs run faster in float32)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="speculative (or plain) generation; prints text and statistics",
         description="Generate with EAGLE-3 speculative decoding. --prompt is text (needs a tokenizer: tiktoken.model "
-        "or tokenizer.json in --tokenizer, default the --model directory) or comma-separated token ids with --ids.",
+        "or tokenizer.json in --tokenizer, default the --model directory) or comma-separated token ids with --ids. "
+        "With neither --model nor --preset it runs the bundled trained pair (assets/kimi-py-tiny) on a held-out "
+        "prompt and also measures plain decoding, printing the text, acceptance statistics and the speedup.",
     )
     _add_target_args(gen)
     gen.add_argument(
@@ -67,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         "drafter is used (it accepts ~nothing)",
     )
     gen.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument(
+        "--prompt", action="append", help="a prompt (repeat for a batch; default with the bundled pair: a held-out one)"
+    )
     gen.add_argument("--ids", action="store_true", help="prompts are comma-separated token ids, not text")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     gen.add_argument(
@@ -82,7 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--stats", action="store_true", help="print acceptance statistics")
+    gen.add_argument("--stats", action="store_true", help="print acceptance statistics (on for the bundled pair)")
+    gen.add_argument(
+        "--compare-plain",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run plain decoding (both compiled first, then timed) and print the measured speedup "
+        "(default: on for the bundled pair)",
+    )
     gen.add_argument("--stream", action="store_true", help="print text as cycles complete")
 
     from jaxspec.profiling.tune import add_tune_arguments
@@ -135,7 +151,7 @@ def _target(args, *, abstract: bool):
     if args.model and args.preset:
         raise SystemExit("jaxspec: give --model or --preset, not both")
     mesh = make_mesh(args.mesh)
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(args.dtype or "bfloat16")
     if args.model:
         if abstract:
             return Target.abstract(KimiConfig.from_pretrained(args.model), mesh=mesh, dtype=dtype), args.model
@@ -160,6 +176,22 @@ def _num_steps(args) -> int:
     return int(json.loads((args.tune / "tune.json").read_text())["recommended_k"])
 
 
+def _use_bundled_pair(args) -> bool:
+    """No --model and no --preset: run the bundled trained pair (and fill in its drafter, prompt and dtype)."""
+    if args.model or args.preset:
+        if not args.prompt:
+            raise SystemExit("jaxspec generate: --prompt is required with --model or --preset")
+        return False
+    from jaxspec import bundled
+
+    target_dir, drafter_dir = bundled.paths()
+    args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
+    args.dtype = args.dtype or "float32"
+    args.prompt = args.prompt or bundled.prompts()[:1]
+    args.stats = True
+    return True
+
+
 def cmd_generate(args) -> int:
     from jaxspec.decoding.generate import generate
     from jaxspec.drafter import Drafter, load_drafter
@@ -167,6 +199,8 @@ def cmd_generate(args) -> int:
     from jaxspec.tokenizer import load_tokenizer
 
     args.num_steps = _num_steps(args)
+    bundled = _use_bundled_pair(args)
+    compare = bundled if args.compare_plain is None else args.compare_plain
     target, source = _target(args, abstract=False)
     drafter = None
     if args.num_steps:
@@ -203,19 +237,27 @@ def cmd_generate(args) -> int:
                 print(text[printed[i] :], end="", flush=True)
                 printed[i] = len(text)
 
-    result = generate(
-        target,
-        drafter,
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        num_steps=args.num_steps,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        tokenizer=tokenizer,
-        on_cycles=stream if args.stream and len(prompts) == 1 else None,
-    )
+    def run(num_steps: int, on_cycles=None):
+        return generate(
+            target,
+            drafter if num_steps else None,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            num_steps=num_steps,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            tokenizer=tokenizer,
+            on_cycles=on_cycles,
+        )
+
+    result = run(args.num_steps, stream if args.stream and len(prompts) == 1 else None)
+    timed = None
+    if compare and args.num_steps:
+        # Both programs are compiled by a first call (the one above for speculative decoding), then timed warm.
+        run(0)
+        timed = {"speculative": run(args.num_steps).stats, "plain": run(0).stats}
     if args.stream and len(prompts) == 1:
         print()
     else:
@@ -235,6 +277,13 @@ def cmd_generate(args) -> int:
         print(f"mean accepted length (incl. bonus): {s['mean_accepted_length']:.2f}")
         for j, (r, a) in enumerate(zip(s["reached"], s["accepted"], strict=True), start=1):
             print(f"  draft position {j}: reached {r}, accepted {a} ({a / max(r, 1):.1%})")
+    if timed is not None:
+        spec, plain = timed["speculative"], timed["plain"]
+        print(
+            f"speculative (k={args.num_steps}) {spec['tokens_per_second']:.1f} tok/s vs plain "
+            f"{plain['tokens_per_second']:.1f} tok/s (both compiled, timed on a second run): "
+            f"speedup {spec['tokens_per_second'] / plain['tokens_per_second']:.2f}x"
+        )
     return 0
 
 
@@ -255,7 +304,7 @@ def cmd_predict(args) -> int:
     print(
         f"target: {source}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.n_routed_experts} experts (top-{cfg.num_experts_per_tok}), vocab {cfg.vocab_size}, "
-        f"experts {'INT4' if cfg.quant else args.dtype}"
+        f"experts {'INT4' if cfg.quant else (args.dtype or 'bfloat16')}"
     )
     print(f"mesh: {dict(target.mesh.shape)} on {jax.devices()[0].platform}; load + compile + run {elapsed:.1f}s")
     for pos, row in enumerate(logits):

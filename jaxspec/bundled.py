@@ -1,0 +1,50 @@
+"""The bundled model pair: a small Kimi-architecture target trained on Python standard library source (INT4 routed
+experts, compressed-tensors format) and an EAGLE-3 drafter trained for it with `jaxspec.training`.
+
+They live in the repository under `assets/kimi-py-tiny/` (`target/`, `drafter/`, `prompts.json` with held-out
+prompts) and load like any downloaded checkpoint; `assets/build/` holds the seeded scripts that reproduce them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "assets" / "kimi-py-tiny"
+
+
+def paths() -> tuple[Path, Path]:
+    """(target directory, drafter directory) of the bundled pair."""
+    target, drafter = ROOT / "target", ROOT / "drafter"
+    for d in (target, drafter):
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(
+                f"bundled pair: {d / 'config.json'} not found. The pair ships in the jaxspec repository "
+                "(assets/kimi-py-tiny); install from a checkout with `pip install -e .`, or pass --model/--drafter."
+            )
+    return target, drafter
+
+
+def prompts() -> list[str]:
+    """Held-out prompts (functions from standard-library files the pair never trained on)."""
+    path = ROOT / "prompts.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"bundled pair: {path} not found")
+    return json.loads(path.read_text())["held_out"]
+
+
+def load_pair(mesh=None, dtype=None):
+    """(target, drafter, tokenizer) of the bundled pair on `mesh` (default: one device).
+
+    dtype defaults to float32: the weights are bf16 on disk, and CPUs compute float32 faster than bfloat16.
+    """
+    import jax.numpy as jnp
+
+    from jaxspec.drafter import load_drafter
+    from jaxspec.target import load_target
+    from jaxspec.tokenizer import load_tokenizer
+
+    dtype = jnp.float32 if dtype is None else dtype
+    target_dir, drafter_dir = paths()
+    target = load_target(target_dir, mesh=mesh, dtype=dtype)
+    return target, load_drafter(drafter_dir, target, dtype=dtype), load_tokenizer(target_dir)
