@@ -137,7 +137,7 @@ def main() -> None:
     except KeyboardInterrupt:
         mngr.save(step, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=True)
         mngr.wait_until_finished()
-        raise SystemExit(f"interrupted: checkpoint saved at step {step}; rerun to resume")
+        raise SystemExit(f"interrupted: checkpoint saved at step {step}; rerun to resume") from None
     mngr.save(args.steps, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=True)
     mngr.wait_until_finished()
 
