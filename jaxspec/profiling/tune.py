@@ -28,6 +28,7 @@ from jaxspec.profiling.cost_model import (
 from jaxspec.profiling.timing import PhaseTimer, PhaseTimes
 
 DEFAULT_PROMPTS = ((1, 17, 42, 7, 99, 3, 56, 12), (5, 8, 13, 21, 34, 55, 89, 144))
+BUNDLED_PROMPTS = 4  # held-out prompts of the bundled pair swept together (one batch)
 TABLE_COLUMNS = (
     "k",
     "draft tokens",
@@ -293,11 +294,18 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF-layout checkpoint directory (config.json + safetensors)")
     p.add_argument("--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5")
     p.add_argument("--mesh", default=None, help="mesh shape DATAxMODEL, e.g. 1x8 (default: all devices on MODEL)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--dtype", default=None, choices=["bfloat16", "float32"], help="default: bfloat16; float32 for the bundled pair"
+    )
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (default with --preset: random drafter)")
     p.add_argument("--max-k", type=int, default=4, help="sweep k = 0..MAX_K draft tokens (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt and k (%(default)s)")
-    p.add_argument("--prompts-file", type=Path, help="one prompt per line, comma-separated token ids")
+    p.add_argument(
+        "--prompts-file",
+        type=Path,
+        help="one prompt per line: comma-separated token ids (default: fixed ids; with the bundled pair, its held-out "
+        "prompts)",
+    )
     p.add_argument("--output", type=Path, help="write DIR/tune.json and DIR/tune.png")
 
 
@@ -324,12 +332,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.max_k < 0:
         raise SystemExit(f"jaxspec tune: --max-k must be >= 0, got {args.max_k}")
+    prompts = None
+    if not args.model and not args.preset:  # the bundled trained pair, on its held-out prompts
+        from jaxspec import bundled
+        from jaxspec.tokenizer import load_tokenizer
+
+        target_dir, drafter_dir = bundled.paths()
+        args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
+        args.dtype = args.dtype or "float32"
+        tokenizer = load_tokenizer(target_dir)
+        prompts = [tokenizer.encode(p) for p in bundled.prompts()[:BUNDLED_PROMPTS]]
     if args.model and not args.drafter and args.max_k > 0:
         raise SystemExit("jaxspec tune: --model needs --drafter DIR (random drafters are only for --preset)")
     try:
-        prompts = read_prompts(args.prompts_file) if args.prompts_file else [list(p) for p in DEFAULT_PROMPTS]
+        if args.prompts_file:
+            prompts = read_prompts(args.prompts_file)
     except (OSError, ValueError) as e:
         raise SystemExit(f"jaxspec tune: --prompts-file: {e}") from None
+    prompts = prompts or [list(p) for p in DEFAULT_PROMPTS]
     target, source = _target(args, abstract=False)
     if args.drafter:
         drafter = load_drafter(args.drafter, target, dtype=target.dtype)
