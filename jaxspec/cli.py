@@ -3,6 +3,7 @@
     jaxspec generate  speculative (or plain) generation with a target and an EAGLE-3 drafter
     jaxspec predict   load a target and print its next-token predictions for a prompt of token ids
     jaxspec tune      sweep the draft depth, time each phase, model the trade-off and recommend k
+    jaxspec train-drafter  train an EAGLE-3 drafter on the target's own responses (exports SGLang format)
     jaxspec inspect   compile one decode/verify step (abstract weights: nothing allocated) and report its
                       collectives and per-device memory
 
@@ -86,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(written by 'jaxspec tune') (default: %(default)s)",
     )
     gen.add_argument("--tune", type=Path, help="directory holding tune.json from 'jaxspec tune' (for --num-steps auto)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (%(default)s)")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling (%(default)s)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (%(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 = off (%(default)s)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (%(default)s)")
     gen.add_argument("--stats", action="store_true", help="print acceptance statistics (on for the bundled pair)")
     gen.add_argument(
         "--compare-plain",
@@ -111,6 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tune_arguments(tune)
 
+    from jaxspec.training.cli import add_train_arguments
+
+    train = sub.add_parser(
+        "train-drafter",
+        help="train an EAGLE-3 drafter for a target (optax, Orbax checkpoints, resumable); exports SGLang format",
+        description="Generate the target's own responses to --prompts (or reuse --data), then train an EAGLE-3 "
+        "drafter with the training-time-test unroll and export it to --out.",
+    )
+    add_train_arguments(train)
+
     ins = sub.add_parser(
         "inspect",
         help="collectives and per-device memory of a compiled decode/verify step",
@@ -118,9 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and report collectives (counted per execution) and per-device memory.",
     )
     _add_target_args(ins)
-    ins.add_argument("--batch", type=int, default=1)
-    ins.add_argument("--tokens", type=int, default=1, help="query tokens per step: 1 = decode, k+1 = verify")
-    ins.add_argument("--cache-len", type=int, default=4096)
+    ins.add_argument("--batch", type=int, default=1, help="sequences per step (default: %(default)s)")
+    ins.add_argument(
+        "--tokens", type=int, default=1, help="query tokens per step: 1 = decode, k+1 = verify (default: %(default)s)"
+    )
+    ins.add_argument("--cache-len", type=int, default=4096, help="KV cache positions (default: %(default)s)")
     ins.add_argument("--json", type=Path, help="also write the report as JSON to this path")
     return p
 
@@ -139,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxspec.profiling.tune import cmd_tune
 
         return cmd_tune(args)
+    if args.command == "train-drafter":
+        from jaxspec.training.cli import cmd_train_drafter
+
+        return cmd_train_drafter(args)
     return {"generate": cmd_generate, "predict": cmd_predict, "inspect": cmd_inspect}[args.command](args)
 
 

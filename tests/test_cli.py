@@ -56,3 +56,8 @@ def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path, capsys):
     assert "num_steps 2" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="needs --tune DIR"):
         main([*argv, "--num-steps", "auto", "--tune", str(tmp_path / "missing")])
+
+
+def test_train_drafter_is_a_subcommand_and_checks_its_input(tmp_path):
+    with pytest.raises(SystemExit, match="--target: .* is not a directory"):
+        main(["train-drafter", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])

@@ -1,0 +1,492 @@
+"""Train an EAGLE-3 drafter for a target: optax AdamW + warmup/cosine + grad clipping, Orbax checkpoints, resume.
+
+One training step (one compiled program):
+1. the target runs over the batch once (`Target.apply(..., capture=drafter layers)`): logits + captured states;
+2. the target's logits are restricted to the draft vocabulary (a vocab-split gather) and its argmax is checked
+   against the draft vocabulary;
+3. the drafter's training-time-test unroll (`ttt.ttt_forward`, `ttt_depth` steps) and the weighted loss, per device
+   inside one shard_map; gradients flow only into the drafter's own weights (the embedding is the target's, frozen
+   and shared);
+4. clip_by_global_norm -> AdamW(b1 0.9, b2 0.95) with a warmup + cosine learning rate.
+
+Parallelism: data parallel. The batch is split over the mesh's data axis, the drafter's trainable weights and the
+optimizer state are replicated, the target keeps its own layout (`mesh=make_mesh("8x1")` for 8-way data parallel).
+
+Determinism and resume: batch k of the run is a pure function of (seed, k) (an epoch-wise permutation of the
+dataset), so a resumed run sees exactly the batches the uninterrupted one would. Orbax checkpoints (every
+`checkpoint_every` steps, at the end, and on KeyboardInterrupt) hold the drafter weights, the optimizer state, the step
+and the data cursor. `OUT/train_config.json` records the run's settings; `resume=True` refuses to continue a run with
+different ones.
+
+    OUT/train_config.json   settings (written at the start)
+    OUT/train_log.jsonl     one line per step: loss, per-depth loss and accuracy, learning rate, grad norm
+    OUT/checkpoints/<step>/ Orbax checkpoints
+    OUT/config.json, OUT/model.safetensors   the trained drafter (SGLang format, with d2t/t2d), written at the end
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from jaxspec.drafter import Drafter, save_drafter
+from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, Split, concat_captured, draft_config_for
+from jaxspec.target import Target
+from jaxspec.training.data import load_dataset, target_fingerprint
+from jaxspec.training.ttt import combine_terms, restrict_to_draft_vocab, ttt_forward, ttt_loss_terms
+from jaxspec.training.vocab import build_draft_vocab, draft_to_target_ids
+from sharding.mesh import DATA, MODEL
+
+TRAIN_CONFIG = "train_config.json"
+TRAIN_LOG = "train_log.jsonl"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a training run (recorded in train_config.json; a resume must match it)."""
+
+    draft_vocab_size: int
+    ttt_depth: int
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    warmup: int
+    weight_decay: float
+    clip: float
+    seed: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    capture_layers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The static part of the compiled step (hashable; the Target hashes by identity)."""
+
+    target: Target
+    graphdef: Any
+    embed_spec: P
+    capture: tuple[int, ...]
+    depth: int
+    lr: float
+    warmup: int
+    steps: int
+    weight_decay: float
+    clip: float
+
+
+def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
+    """clip_by_global_norm(clip) -> AdamW(b1 0.9, b2 0.95); lr: linear warmup from lr/warmup to `lr` over `warmup`
+    steps, then cosine decay to 0 at `steps`. Weight decay applies to matrices only (not to norm scales)."""
+    schedule = optax.warmup_cosine_decay_schedule(lr / max(warmup, 1), lr, warmup, steps, 0.0)
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(clip), adamw), schedule
+
+
+def batch_indices(seed: int, step: int, batch_size: int, num_examples: int) -> np.ndarray:
+    """Dataset rows of batch `step`: consecutive slices of one permutation per epoch (a function of seed and epoch)."""
+    flat = step * batch_size + np.arange(batch_size)
+    epochs, offsets = np.divmod(flat, num_examples)
+    out = np.empty(batch_size, np.int64)
+    for epoch in np.unique(epochs):
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(num_examples)
+        out[epochs == epoch] = perm[offsets[epochs == epoch]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the step
+def _target_side(plan: _Plan, tparams, ids_BT, draft_ids_U, t2d_V):
+    """Target forward: (aux [B,T,X*D], restricted target logits [B,T,U], argmax-in-draft-vocab [B,T])."""
+    target, batch = plan.target, plan.target.rules.batch
+    pos_BT = jnp.broadcast_to(jnp.arange(ids_BT.shape[1], dtype=jnp.int32), ids_BT.shape)
+    logits_BTV, _, captured = target.apply(tparams, ids_BT, pos_BT, None, capture=plan.capture, impl="expanded")
+    restrict = jax.shard_map(
+        restrict_to_draft_vocab,
+        mesh=target.mesh,
+        in_specs=(P(batch, None, MODEL), P(), P()),
+        out_specs=(P(batch, None, None), P(batch, None)),
+    )
+    tgt_BTU, in_vocab_BT = restrict(logits_BTV, draft_ids_U, t2d_V)
+    return concat_captured(captured), tgt_BTU, in_vocab_BT
+
+
+def _loss(plan: _Plan, params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT):
+    batch = plan.target.rules.batch
+
+    def local(params, embed, ids, aux, tgt, in_vocab, mask):
+        state = nnx.State({"embed": nnx.Param(embed), **{k: nnx.Param(v) for k, v in params.items()}})
+        logits_JBTU = ttt_forward(nnx.merge(plan.graphdef, state), ids, aux, plan.depth)
+        terms = ttt_loss_terms(logits_JBTU, tgt, in_vocab, mask)
+        return terms if batch is None else jax.tree.map(lambda x: jax.lax.psum(x, batch), terms)
+
+    rows, rows3 = P(batch, None), P(batch, None, None)
+    fn = jax.shard_map(
+        local,
+        mesh=plan.target.mesh,
+        in_specs=({k: P() for k in params}, plan.embed_spec, rows, rows3, rows3, rows, rows),
+        out_specs=P(),
+    )
+    return combine_terms(fn(params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def _train_step(plan: _Plan, params, opt_state, tparams, ids_BT, mask_BT, draft_ids_U, t2d_V):
+    aux_BTI, tgt_BTU, in_vocab_BT = _target_side(plan, tparams, ids_BT, draft_ids_U, t2d_V)
+    embed_VD = tparams["embed"].get_value()
+    loss_fn = lambda p: _loss(plan, p, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT)  # noqa: E731
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    optimizer, _ = make_optimizer(plan.lr, plan.warmup, plan.steps, plan.weight_decay, plan.clip)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
+
+
+# ----------------------------------------------------------------------------------------------- the run
+def train_drafter(
+    target: Target,
+    dataset_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    draft_vocab_size: int,
+    steps: int,
+    batch_size: int,
+    ttt_depth: int = 3,
+    seq_len: int | None = None,
+    lr: float = 1e-4,
+    warmup: int | None = None,
+    weight_decay: float = 0.0,
+    clip: float = 0.5,
+    seed: int = 0,
+    checkpoint_every: int = 500,
+    resume: bool = False,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    capture_layers: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    dtype=None,
+    progress: bool = True,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+) -> Drafter:
+    """Train a drafter for `target` on a dataset from `generate_dataset`; export it to `out_dir` and return it.
+
+    draft_vocab_size: U, the most frequent response tokens (== vocab_size: the full vocabulary). seq_len: tokens per
+    row (default: the dataset's; longer rows are cut, shorter padded and masked). warmup: default min(100, steps//10).
+    heads / kv_heads / intermediate_size / capture_layers: the drafter's shape (defaults: the target's attention
+    heads, heads/8 KV heads, the target's dense intermediate size, SpecForge's default capture layers); capture
+    layers are target-layer outputs (0-indexed). mesh: train on this mesh instead of the target's (data parallel over
+    its data axis). dtype: of the returned and exported drafter (default: the target's); training is in float32.
+    resume: continue from the latest checkpoint in `out_dir`. on_step(step, metrics) is called after every step
+    (`step` = steps done). KeyboardInterrupt saves a checkpoint, then propagates.
+    """
+    if mesh is not None:
+        target = target.on_mesh(mesh)
+    tcfg = target.config
+    out = Path(out_dir)
+    data = load_dataset(dataset_dir, vocab_size=tcfg.vocab_size)
+    if data.manifest["target"] != target_fingerprint(tcfg):
+        warnings.warn(
+            f"{dataset_dir}: generated by a target with a different config (same vocabulary); training on it anyway",
+            stacklevel=2,
+        )
+    config = _train_config(
+        tcfg,
+        data,
+        draft_vocab_size=draft_vocab_size,
+        ttt_depth=ttt_depth,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        warmup=warmup,
+        weight_decay=weight_decay,
+        clip=clip,
+        seed=seed,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate_size=intermediate_size,
+        capture_layers=capture_layers,
+    )
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every: expected an integer >= 1, got {checkpoint_every!r}")
+    n_data = target.mesh.shape[DATA]
+    if batch_size % n_data:
+        raise ValueError(f"batch_size {batch_size} is not divisible by the mesh's data axis ({n_data})")
+
+    ids, mask = _fit_length(data.ids, data.loss_mask, config.seq_len)
+    d2t, t2d = build_draft_vocab(ids, mask, config.draft_vocab_size, tcfg.vocab_size)
+    coverage = float(t2d[ids[mask]].mean()) if mask.any() else 0.0
+    draft_cfg = _draft_config(tcfg, config)
+    record = {
+        "config": _jsonable(dataclasses.asdict(config)),
+        "dataset": {k: data.manifest.get(k) for k in ("target", "prompts_sha256", "num_sequences", "seq_len")},
+        "d2t_sha256": hashlib.sha256(d2t.tobytes()).hexdigest(),
+        "draft_vocab_coverage": coverage,
+    }
+    mngr, start = _open_run(out, record, resume)
+
+    # Random init of the drafter's own weights (float32 master copies, replicated); the embedding is the target's.
+    replicated = NamedSharding(target.mesh, P())
+    graphdef = nnx.split(nnx.eval_shape(lambda: Eagle3Model(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))[0]
+    # RBG keys: same values for a seed on a given backend, and far cheaper to compile than threefry on CPU.
+    params = jax.device_put(_init_params(draft_cfg, jax.random.key(config.seed, impl="rbg")), replicated)
+    optimizer, schedule = make_optimizer(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
+    opt_state = jax.device_put(optimizer.init(params), replicated)
+    if start:
+        params, opt_state = _restore(mngr, start, params, opt_state)
+    _truncate_log(out / TRAIN_LOG, start)
+
+    plan = _Plan(
+        target=target,
+        graphdef=graphdef,
+        embed_spec=target.params["embed"].get_value().sharding.spec,
+        capture=draft_cfg.capture_layers,
+        depth=config.ttt_depth,
+        lr=config.lr,
+        warmup=config.warmup,
+        steps=config.steps,
+        weight_decay=config.weight_decay,
+        clip=config.clip,
+    )
+    rows = NamedSharding(target.mesh, P(target.rules.batch, None))
+    draft_ids = jax.device_put(draft_to_target_ids(d2t).astype(np.int32), replicated)
+    t2d_dev = jax.device_put(t2d, replicated)
+
+    def save(step: int) -> None:
+        meta = {"step": step, "seed": config.seed, "examples_seen": step * config.batch_size}
+        state = {"params": params, "opt_state": opt_state}
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+
+    step = start
+    bar = tqdm(total=config.steps, initial=start, desc="training drafter", unit="step", disable=not progress)
+    if progress:
+        bar.write(
+            f"draft vocabulary: {config.draft_vocab_size} tokens cover {coverage:.1%} of the response tokens; "
+            f"{len(ids)} sequences of {config.seq_len} tokens" + (f"; resuming at step {start}" if start else "")
+        )
+    try:
+        with bar, open(out / TRAIN_LOG, "a") as log:
+            while step < config.steps:
+                idx = batch_indices(config.seed, step, config.batch_size, len(ids))
+                batch_ids, batch_mask = jax.device_put((ids[idx], mask[idx]), rows)
+                params, opt_state, metrics = _train_step(
+                    plan, params, opt_state, target.params, batch_ids, batch_mask, draft_ids, t2d_dev
+                )
+                step += 1
+                m = _host_metrics(metrics, float(schedule(step - 1)))
+                log.write(json.dumps({"step": step, **m}) + "\n")
+                log.flush()
+                bar.set_postfix_str(
+                    f"loss {m['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in m['acc_j'])} lr {m['lr']:.2e}"
+                )
+                bar.update(1)
+                if step % checkpoint_every == 0 and step < config.steps:
+                    save(step)
+                if on_step is not None:
+                    on_step(step, m)
+        if step not in mngr.all_steps():
+            save(step)
+    except KeyboardInterrupt:
+        if step > start and step not in mngr.all_steps() and not _deleted(params, opt_state):
+            save(step)
+            print(f"interrupted: checkpoint at step {step} in {out / CHECKPOINTS}; rerun with resume=True")
+        raise
+    finally:
+        mngr.close()  # waits for any save in flight
+
+    final = _export_drafter(draft_cfg, target, params, None if draft_cfg.full_vocab else d2t, dtype or target.dtype)
+    save_drafter(final, out, format="sglang")
+    return final
+
+
+def _train_config(tcfg, data, **kw) -> TrainConfig:
+    """Validate the arguments and fill in the defaults."""
+    problems = []
+
+    def positive(name: str) -> None:
+        v = kw[name]
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            problems.append(f"{name}: expected a positive integer, got {v!r}")
+
+    for name in ("draft_vocab_size", "ttt_depth", "steps", "batch_size"):
+        positive(name)
+    for name in ("seq_len", "heads", "kv_heads", "intermediate_size"):
+        if kw[name] is not None:
+            positive(name)
+    if problems:
+        raise ValueError("train_drafter: " + "; ".join(problems))
+    V = tcfg.vocab_size
+    if kw["draft_vocab_size"] > V:
+        problems.append(f"draft_vocab_size: {kw['draft_vocab_size']} exceeds the target's vocab_size {V}")
+    seq_len = kw["seq_len"] or data.seq_len
+    if seq_len < kw["ttt_depth"] + 2:
+        problems.append(f"seq_len: {seq_len} is too short for ttt_depth {kw['ttt_depth']} (needs >= depth + 2)")
+    if seq_len > tcfg.max_position_embeddings:
+        problems.append(f"seq_len: {seq_len} exceeds the target's context of {tcfg.max_position_embeddings}")
+    warmup = kw["warmup"] if kw["warmup"] is not None else min(100, kw["steps"] // 10)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < kw["steps"]:
+        problems.append(f"warmup: expected an integer in [0, steps={kw['steps']}), got {warmup!r}")
+    if not kw["lr"] > 0:
+        problems.append(f"lr: expected > 0, got {kw['lr']!r}")
+    if not kw["clip"] > 0:
+        problems.append(f"clip: expected > 0, got {kw['clip']!r}")
+    if not kw["weight_decay"] >= 0:
+        problems.append(f"weight_decay: expected >= 0, got {kw['weight_decay']!r}")
+    heads = kw["heads"] or tcfg.num_attention_heads
+    kv_heads = kw["kv_heads"] or (heads // 8 if heads % 8 == 0 else heads)
+    D = tcfg.hidden_size
+    if D % heads or (D // heads) % 2:
+        problems.append(f"heads: hidden_size {D} / heads {heads} must be an even integer head dim (for RoPE)")
+    if heads % kv_heads:
+        problems.append(f"kv_heads: {kv_heads} must divide heads {heads}")
+    layers = tuple(sorted(int(x) for x in kw["capture_layers"])) if kw["capture_layers"] else None
+    L = tcfg.num_hidden_layers
+    if layers is not None and (len(set(layers)) != len(layers) or not all(0 <= x < L for x in layers)):
+        problems.append(f"capture_layers: {list(layers)} must be distinct target layer outputs in [0, {L})")
+    if problems:
+        raise ValueError("train_drafter: " + "; ".join(problems))
+    if layers is None:
+        layers = draft_config_for(tcfg, heads=heads, kv_heads=kv_heads).capture_layers
+    return TrainConfig(
+        draft_vocab_size=int(kw["draft_vocab_size"]),
+        ttt_depth=int(kw["ttt_depth"]),
+        steps=int(kw["steps"]),
+        batch_size=int(kw["batch_size"]),
+        seq_len=int(seq_len),
+        lr=float(kw["lr"]),
+        warmup=int(warmup),
+        weight_decay=float(kw["weight_decay"]),
+        clip=float(kw["clip"]),
+        seed=int(kw["seed"]),
+        heads=int(heads),
+        kv_heads=int(kv_heads),
+        intermediate_size=int(kw["intermediate_size"] or tcfg.intermediate_size),
+        capture_layers=layers,
+    )
+
+
+def _draft_config(tcfg, config: TrainConfig) -> Eagle3Config:
+    cfg = draft_config_for(tcfg, heads=config.heads, kv_heads=config.kv_heads, capture_layers=config.capture_layers)
+    return dataclasses.replace(
+        cfg, intermediate_size=config.intermediate_size, draft_vocab_size=config.draft_vocab_size
+    )
+
+
+def _fit_length(ids: np.ndarray, mask: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut or right-pad (masked) the rows to `seq_len` tokens."""
+    T = ids.shape[1]
+    if seq_len <= T:
+        return np.ascontiguousarray(ids[:, :seq_len]), np.ascontiguousarray(mask[:, :seq_len])
+    pad = ((0, 0), (0, seq_len - T))
+    return np.pad(ids, pad), np.pad(mask, pad)
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, default=list))
+
+
+def _open_run(out: Path, record: dict[str, Any], resume: bool) -> tuple[ocp.CheckpointManager, int]:
+    """The checkpoint manager and the step to start from (0, or the latest checkpoint when resuming)."""
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = (out / CHECKPOINTS).absolute()
+    existing = (out / TRAIN_CONFIG).is_file() or ckpt_dir.is_dir()
+    if existing and not resume:
+        raise FileExistsError(
+            f"{out}: holds an earlier training run; pass resume=True (--resume) to continue it, or use another --out"
+        )
+    if resume and (out / TRAIN_CONFIG).is_file():
+        old = json.loads((out / TRAIN_CONFIG).read_text())
+        diff = [
+            f"{k} ({old['config'].get(k)!r} -> {v!r})" for k, v in record["config"].items() if old["config"].get(k) != v
+        ]
+        diff += [k for k in ("dataset", "d2t_sha256") if old.get(k) != record[k]]
+        if diff:
+            raise ValueError(f"{out}: cannot resume, the run's settings changed: {', '.join(diff)}")
+    (out / TRAIN_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
+    # Synchronous saves: the next step donates the buffers being saved.
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
+    mngr = ocp.CheckpointManager(ckpt_dir, options=options, item_names=("state", "meta"))
+    latest = mngr.latest_step() if resume else None
+    return mngr, int(latest or 0)
+
+
+def _restore(mngr: ocp.CheckpointManager, step: int, params, opt_state):
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        {"params": params, "opt_state": opt_state},
+    )
+    restored = mngr.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+    )
+    if restored["meta"]["step"] != step:
+        raise ValueError(f"checkpoint {step}: its metadata says step {restored['meta']['step']}")
+    return restored["state"]["params"], restored["state"]["opt_state"]
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines past `step` (written after the checkpoint a resumed run starts from)."""
+    if path.is_file():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def _deleted(*trees) -> bool:
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(trees))
+
+
+def _host_metrics(metrics: dict[str, jax.Array], lr: float) -> dict[str, Any]:
+    m = jax.device_get(metrics)
+    return {
+        "loss": float(m["loss"]),
+        "loss_j": [float(x) for x in m["loss_j"]],
+        "acc_j": [float(x) for x in m["acc_j"]],
+        "valid_j": [int(x) for x in m["valid_j"]],
+        "grad_norm": float(m["grad_norm"]),
+        "lr": lr,
+    }
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(cfg: Eagle3Config, key: jax.Array) -> dict[str, jax.Array]:
+    """The drafter's initial weights (its own declared initializers), float32, without the embedding (XLA drops its
+    init: it is the target's). Compiled once per config."""
+    state = nnx.state(Eagle3Model(cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key)))
+    return {k: v.get_value() for k, v in state.items() if k != "embed"}
+
+
+def _export_drafter(cfg: Eagle3Config, target: Target, params: dict[str, jax.Array], d2t, dtype) -> Drafter:
+    """The trained weights as a Drafter in `dtype`, laid out like an inference drafter on the target's mesh."""
+    split = Split.plan(cfg, target.mesh.shape[MODEL], target.rules)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0))))
+    specs = Target.param_specs(abstract, target.rules)
+
+    def place(path, var):
+        (key,) = path
+        if key == "embed":  # the target's own array, shared
+            return path, var.replace(target.params["embed"].get_value())
+        value = params[key].astype(dtype)
+        return path, var.replace(jax.device_put(value, NamedSharding(target.mesh, specs[key])))
+
+    state = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
+    d2t = None if d2t is None else np.asarray(d2t, np.int32)
+    return Drafter(cfg, target, graphdef, state, d2t, ("embed",))

@@ -1,0 +1,200 @@
+"""EAGLE-3 training-time test (TTT): the drafter unrolled `depth` steps over whole sequences, and its loss.
+
+Alignment (derived from the inference loop, `jaxspec/decoding/spec_loop.py`, which training must match):
+- Drafter row t pairs the target state of position t with token t+1. Its first-step output (draft-extend / prefill)
+  is the draft of token t+2, checked against the target's distribution at position t+1.
+- Draft step j >= 1 from the same start t runs at position t+j with token t+1+j (teacher-forced here; the drafter's
+  own draft at inference) and hidden input = step j-1's h2 at row t; it drafts token t+2+j, checked against the
+  target's distribution at position t+1+j.
+- Attention at step j sees what the drafter KV cache holds at inference: the first-step keys of rows 0..t (positions
+  0..t, causal) and the keys the chain itself wrote at steps 1..j (positions t+1..t+j, row t only).
+So with rows indexed by the chain start t, step j uses tokens shifted left by 1+j, RoPE positions t+j, and its
+attention keys are [step-0 keys (causal)] + [row t's keys of steps 1..j]. The loss at (j, t) compares the draft with
+the target's softmax at position t+1+j restricted to the draft vocabulary (renormalised), where token t+2+j is a
+response token (loss mask) and the target's argmax at t+1+j is in the draft vocabulary; step j weighs 0.8^j.
+
+`ttt_forward` uses an `Eagle3Model`'s own parameters (through `nnx.merge`; no copies) in float32. It runs per
+device inside a shard_map with the mesh's "model" axis bound: the embedding may be vocab-split (its lookup sums over
+"model"); every other drafter weight must be whole (the trainer replicates them: data-parallel training).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.models import rope
+from jaxspec.models.eagle3 import Eagle3Model
+from jaxspec.models.kimi import embed_lookup
+from jaxspec.models.layers import rms_norm, swiglu
+from jaxspec.models.quant import einsum as ein
+from sharding.collectives import sharded_argmax
+from sharding.mesh import MODEL
+
+STEP_WEIGHT = 0.8  # loss weight of step j is STEP_WEIGHT ** j
+_NEG_INF = -1e30
+
+
+def shift_left(x: jax.Array, n: int, fill=0) -> jax.Array:
+    """x[:, t + n] at row t along axis 1, `fill` past the end."""
+    if n == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, n)
+    return jnp.pad(x[:, n:], pad, constant_values=fill)
+
+
+def ttt_forward(model: Eagle3Model, tokens_BT: jax.Array, aux_BTI: jax.Array, depth: int) -> jax.Array:
+    """Per-device TTT unroll: fp32 draft logits [J=depth, B, T, U]; [j, b, t] drafts token t+2+j of sequence b.
+
+    `tokens_BT` are the sequence's own token ids (not shifted); `aux_BTI` the captured target states of every
+    position (ascending layers, `concat_captured`).
+    """
+    if depth < 1:
+        raise ValueError(f"depth: expected >= 1 TTT steps, got {depth}")
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    f32 = lambda var: var[...].astype(jnp.float32)  # noqa: E731
+    B, T = tokens_BT.shape
+    freqs = jnp.asarray(model.rope_freqs, jnp.float32)
+    with jax.named_scope("fc"):
+        h_BTD = ein("BTI,ID->BTD", aux_BTI.astype(jnp.float32), f32(model.fc))
+    keys, values, logits = [], [], []
+    for j in range(depth):
+        with jax.named_scope(f"ttt_step_{j}"):
+            tok_BT = shift_left(tokens_BT, 1 + j)
+            pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + j, (B, T))
+            e_BTD = embed_lookup(model.embed[...], tok_BT).astype(jnp.float32)
+            hn_BTD = rms_norm(h_BTD, f32(model.hidden_norm), eps)
+            residual_BTD = hn_BTD if cfg.norm_before_residual else h_BTD
+            a_BTW = jnp.concatenate([rms_norm(e_BTD, f32(model.input_norm), eps), hn_BTD], axis=-1)
+
+            cos, sin = rope.cos_sin(pos_BT, freqs, model.rope_factor)
+            cos, sin = cos[:, :, None], sin[:, :, None]
+            q_BTNZ = rope.apply_half(ein("BTW,WNZ->BTNZ", a_BTW, f32(model.q)), cos, sin)
+            keys.append(rope.apply_half(ein("BTW,WOZ->BTOZ", a_BTW, f32(model.k)), cos, sin))
+            values.append(ein("BTW,WOZ->BTOZ", a_BTW, f32(model.v)))
+            out_BTNZ = _ttt_attention(q_BTNZ, keys, values)
+            h1_BTD = residual_BTD + ein("BTNZ,NZD->BTD", out_BTNZ, f32(model.o))
+
+            x_BTD = rms_norm(h1_BTD, f32(model.post_attn_norm), eps)
+            y_BTF = swiglu(ein("BTD,DF->BTF", x_BTD, f32(model.gate)), ein("BTD,DF->BTF", x_BTD, f32(model.up)))
+            h2_BTD = h1_BTD + ein("BTF,FD->BTD", y_BTF, f32(model.down))
+            x_BTD = rms_norm(h2_BTD, f32(model.final_norm), eps)
+            logits.append(ein("BTD,DU->BTU", x_BTD, f32(model.lm_head)))
+            h_BTD = h2_BTD
+    return jnp.stack(logits)
+
+
+def _ttt_attention(q_BTNZ: jax.Array, keys: list[jax.Array], values: list[jax.Array]) -> jax.Array:
+    """Step j = len(keys) - 1: attend to step-0 keys causally and to row t's own keys of steps 1..j."""
+    B, T, N, Z = q_BTNZ.shape
+    O = keys[0].shape[2]  # noqa: E741
+    q_BTOPZ = q_BTNZ.reshape(B, T, O, N // O, Z)
+    scale = Z**-0.5
+    s_BOPTS = jnp.einsum("BTOPZ,BSOZ->BOPTS", q_BTOPZ, keys[0]) * scale
+    causal_TS = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+    s_BOPTS = jnp.where(causal_TS, s_BOPTS, _NEG_INF)
+    if len(keys) == 1:
+        p_BOPTS = jax.nn.softmax(s_BOPTS, axis=-1)
+        return jnp.einsum("BOPTS,BSOZ->BTOPZ", p_BOPTS, values[0]).reshape(B, T, N, Z)
+    k_JBTOZ, v_JBTOZ = jnp.stack(keys[1:]), jnp.stack(values[1:])
+    s_BOPTJ = jnp.einsum("BTOPZ,JBTOZ->BOPTJ", q_BTOPZ, k_JBTOZ) * scale
+    p = jax.nn.softmax(jnp.concatenate([s_BOPTS, s_BOPTJ], axis=-1), axis=-1)
+    out_BTOPZ = jnp.einsum("BOPTS,BSOZ->BTOPZ", p[..., :T], values[0]) + jnp.einsum(
+        "BOPTJ,JBTOZ->BTOPZ", p[..., T:], v_JBTOZ
+    )
+    return out_BTOPZ.reshape(B, T, N, Z)
+
+
+# ----------------------------------------------------------------------------------------------- the target side
+def restrict_to_draft_vocab(
+    logits_BTV: jax.Array, draft_ids_U: jax.Array, t2d_V: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per device (vocab split over "model"): the target's fp32 logits at the draft vocabulary's target ids
+    [B,T,U] (every device gets all U) and whether the target's argmax is in the draft vocabulary [B,T]."""
+    V_local = logits_BTV.shape[-1]
+    local_U = draft_ids_U - jax.lax.axis_index(MODEL) * V_local
+    mine_U = (local_U >= 0) & (local_U < V_local)
+    rows_BTU = jnp.take(logits_BTV, jnp.clip(local_U, 0, V_local - 1), axis=-1).astype(jnp.float32)
+    restricted_BTU = jax.lax.psum(jnp.where(mine_U, rows_BTU, 0.0), MODEL)
+    argmax_BT = sharded_argmax(logits_BTV, MODEL)
+    return restricted_BTU, jnp.take(t2d_V, argmax_BT)
+
+
+def ttt_loss_terms(
+    logits_JBTU: jax.Array, target_BTU: jax.Array, in_vocab_BT: jax.Array, loss_mask_BT: jax.Array
+) -> dict[str, jax.Array]:
+    """Per-step sums over this device's rows, each [J] (sum them over the data axis, then `combine_terms`).
+
+    `target_BTU`/`in_vocab_BT` are indexed by target position (from `restrict_to_draft_vocab`); `loss_mask_BT`
+    marks the tokens to learn (response tokens). ce: cross-entropy against the renormalised restricted target
+    softmax over the valid positions; valid: their count; correct: draft argmax == target argmax there; counted:
+    every loss-masked position (positions whose target argmax is outside the draft vocabulary count as misses).
+    """
+    out: dict[str, list[jax.Array]] = {"ce": [], "valid": [], "correct": [], "counted": []}
+    for j in range(logits_JBTU.shape[0]):
+        tgt_BTU = shift_left(target_BTU, 1 + j)
+        counted_BT = shift_left(loss_mask_BT, 2 + j, False)
+        valid_BT = counted_BT & shift_left(in_vocab_BT, 1 + j, False)
+        logp_BTU = jax.nn.log_softmax(logits_JBTU[j], axis=-1)
+        ce_BT = -jnp.sum(jax.nn.softmax(tgt_BTU, axis=-1) * logp_BTU, axis=-1)
+        hit_BT = jnp.argmax(logits_JBTU[j], axis=-1) == jnp.argmax(tgt_BTU, axis=-1)
+        out["ce"].append(jnp.sum(jnp.where(valid_BT, ce_BT, 0.0)))
+        out["valid"].append(jnp.sum(valid_BT, dtype=jnp.float32))
+        out["correct"].append(jnp.sum(hit_BT & valid_BT, dtype=jnp.float32))
+        out["counted"].append(jnp.sum(counted_BT, dtype=jnp.float32))
+    return {k: jnp.stack(v) for k, v in out.items()}
+
+
+def combine_terms(terms: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss = sum_j 0.8^j * mean CE of step j, {"loss_j", "acc_j", "valid_j"}) from globally summed terms."""
+    J = terms["ce"].shape[0]
+    loss_J = terms["ce"] / jnp.maximum(terms["valid"], 1.0)
+    weights_J = jnp.asarray(STEP_WEIGHT ** np.arange(J), jnp.float32)
+    acc_J = terms["correct"] / jnp.maximum(terms["counted"], 1.0)
+    return jnp.sum(weights_J * loss_J), {"loss_j": loss_J, "acc_j": acc_J, "valid_j": terms["valid"]}
+
+
+# ----------------------------------------------------------------------------------------------- convenience
+def ttt_logits(drafter, token_ids, aux_hidden, depth: int) -> jax.Array:
+    """The TTT unroll of a `Drafter` on its mesh: fp32 logits [J, B, T, U] (see `ttt_forward`)."""
+    tokens = drafter._tokens(token_ids)
+    aux = jnp.asarray(aux_hidden)
+    width = len(drafter.capture_layers) * drafter.config.target_hidden_size
+    if aux.shape != (*tokens.shape, width):
+        raise ValueError(f"aux_hidden: expected shape {(*tokens.shape, width)}, got {aux.shape}")
+    return _jit_ttt_logits(drafter, drafter.params, tokens, aux, depth)
+
+
+def drafter_param_specs(drafter, params) -> dict[str, P]:
+    """shard_map specs for TTT: the embedding keeps its (vocab-split) layout, every other weight is whole."""
+    return {k: drafter.rules.spec(v.get_metadata()["logical_axes"]) if k == "embed" else P() for k, v in params.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _jit_ttt_logits(drafter, params, tokens_BT, aux_BTI, depth):
+    from flax import nnx
+
+    mesh, batch = drafter.mesh, drafter.rules.batch
+    specs = drafter_param_specs(drafter, params)
+    params = {k: jax.sharding.reshard(v.get_value(), NamedSharding(mesh, specs[k])) for k, v in params.items()}
+
+    def local(params, tokens, aux):
+        model = nnx.merge(drafter.graphdef, nnx.State({k: nnx.Param(v) for k, v in params.items()}))
+        return ttt_forward(model, tokens, aux, depth)
+
+    tokens_BT = jax.sharding.reshard(tokens_BT, NamedSharding(mesh, P(batch, None)))
+    aux_BTI = jax.sharding.reshard(aux_BTI, NamedSharding(mesh, P(batch, None, None)))
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(specs, P(batch, None), P(batch, None, None)),
+        out_specs=P(None, batch, None, None),
+    )
+    return fn(params, tokens_BT, aux_BTI)
