@@ -138,7 +138,8 @@ def main() -> None:
         mngr.save(step, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=True)
         mngr.wait_until_finished()
         raise SystemExit(f"interrupted: checkpoint saved at step {step}; rerun to resume") from None
-    mngr.save(args.steps, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=True)
+    if mngr.latest_step() != args.steps:
+        mngr.save(args.steps, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=True)
     mngr.wait_until_finished()
 
     trained = Target(CONFIG, target.mesh, target.graphdef, params, target.rules)
