@@ -271,6 +271,9 @@ def cmd_generate(args) -> int:
             on_cycles=on_cycles,
         )
 
+    if bundled:
+        print("--- held-out prompt (never trained on) ---\n" + "\n---\n".join(map(str, prompts)))
+        print("--- completion ---")
     result = run(args.num_steps, stream if args.stream and len(prompts) == 1 else None)
     timed = None
     if compare and args.num_steps:

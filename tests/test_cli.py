@@ -1,6 +1,7 @@
 """The `jaxspec` command, run in-process (the backend already has the 8 simulated devices)."""
 
 import json
+import re
 
 import pytest
 
@@ -61,3 +62,10 @@ def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path, capsys):
 def test_train_drafter_is_a_subcommand_and_checks_its_input(tmp_path):
     with pytest.raises(SystemExit, match="--target: .* is not a directory"):
         main(["train-drafter", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+
+
+def test_generate_without_flags_runs_the_bundled_pair_and_reports_the_speedup(capsys):
+    assert main(["generate", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out prompt" in out and "mean accepted length" in out
+    assert re.search(r"speedup \d+\.\d\dx", out), out
