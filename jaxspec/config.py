@@ -131,6 +131,7 @@ class KimiConfig:
     # Derived sizes (one place, so model code never recomputes them differently).
     @property
     def qk_head_dim(self) -> int:
+        """Query/key width per head: the non-rotary part plus the rotary part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
@@ -140,6 +141,7 @@ class KimiConfig:
 
     @property
     def num_moe_layers(self) -> int:
+        """Decoder layers with routed experts (all but the first `first_k_dense_replace`)."""
         return self.num_hidden_layers - self.first_k_dense_replace
 
     @property
@@ -154,10 +156,12 @@ class KimiConfig:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
+        """The eos id(s) of config.json as a tuple (empty when there is none)."""
         e = self.eos_token_id
         return () if e is None else (e,) if isinstance(e, int) else tuple(e)
 
     def replace(self, **changes: Any) -> KimiConfig:
+        """A copy with `changes` applied (configs are frozen)."""
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ loading

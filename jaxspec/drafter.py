@@ -93,13 +93,16 @@ class Drafter:
 
     @property
     def dtype(self) -> jnp.dtype:
+        """Compute dtype of the drafter's own weights."""
         return self.params["fc"].get_value().dtype
 
     @property
     def split(self) -> Split:
+        """Which drafter dimensions are split over the mesh's model axis (those that divide it)."""
         return Split.plan(self.config, self.mesh.shape[MODEL], self.rules)
 
     def cache_spec(self) -> P:
+        """PartitionSpec of each drafter KV cache array [B, S, O, Z]: batch over data, KV heads over model if split."""
         return P(self.rules.batch, None, self.rules.heads if self.split.heads else None, None)
 
     def apply(

@@ -112,6 +112,7 @@ class Target:
     # ------------------------------------------------------------------ the sharded forward
     @property
     def dtype(self) -> jnp.dtype:
+        """Compute dtype of the non-expert weights (and of the KV cache)."""
         return self.params["embed"].get_value().dtype
 
     @property
@@ -119,6 +120,7 @@ class Target:
         return self.config.vocab_size
 
     def cache_spec(self) -> P:
+        """PartitionSpec of the latent cache [L, B, S, C+R]: batch over data, replicated over model."""
         return P(None, self.rules.batch, None, None)
 
     def apply(

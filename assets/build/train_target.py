@@ -92,9 +92,7 @@ def main() -> None:
 
     target = Target.random(CONFIG, dtype=jnp.float32, int4_experts=False, seed=args.seed)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps, end_value=args.lr * 0.1)
-    opt = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
-    )
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
     # The router bias (DeepSeek-V3's e_score_correction_bias) gets no gradient (it only shifts the top-k choice);
     # it stays zero. Load balancing is not needed at this size.
     params = target.params

@@ -35,6 +35,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: argmax decoding (top-k / top-p are then irrelevant)."""
         return self.temperature == 0
 
 

@@ -115,6 +115,7 @@ class Eagle3Config:
 
     @property
     def full_vocab(self) -> bool:
+        """The drafter predicts over the target's whole vocabulary (no draft-to-target id map)."""
         return self.draft_vocab_size == self.vocab_size
 
     @classmethod

@@ -52,9 +52,7 @@ def int4_quantization_config(group_size: int) -> QuantizationConfig:
     )
 
 
-def _compress_expert(
-    weight: torch.Tensor, scheme: QuantizationScheme
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _compress_expert(weight: torch.Tensor, scheme: QuantizationScheme) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Library min-max scale, quantize+pack, and the library's own decompression of the result."""
     # compute_dynamic_scales_and_zp is the min-max observer math (scale = max|w| / 7.5 for symmetric int4).
     scale, _ = compute_dynamic_scales_and_zp(weight, scheme.weights, module=None)
