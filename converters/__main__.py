@@ -30,8 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--src", required=True, help="drafter directory (HF layout, either format)")
     d.add_argument("--target", required=True, help="the target it drafts for (HF directory or conversion output)")
     d.add_argument("--dst", required=True, help="output directory")
-    d.add_argument("--format", required=True, choices=["sglang", "speculators"])
-    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    d.add_argument(
+        "--format",
+        required=True,
+        choices=["sglang", "speculators"],
+        help="output layout: sglang (midlayer.*, layer ids as outputs of k) or speculators/vLLM (layers.0.*, inputs)",
+    )
+    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight dtype written")
     d.add_argument("--verifier", default=None, help="target name recorded in a speculators config (default --target)")
     return p
 
