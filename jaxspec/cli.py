@@ -195,19 +195,16 @@ def _num_steps(args) -> int:
     return int(json.loads((args.tune / "tune.json").read_text())["recommended_k"])
 
 
-def _use_bundled_pair(args) -> bool:
-    """No --model and no --preset: run the bundled trained pair (and fill in its drafter, prompt and dtype)."""
+def use_bundled_pair(args) -> bool:
+    """With neither --model nor --preset, point the arguments at the bundled trained pair (target, drafter, float32
+    unless --dtype says otherwise) and return True; otherwise leave them alone and return False."""
     if args.model or args.preset:
-        if not args.prompt:
-            raise SystemExit("jaxspec generate: --prompt is required with --model or --preset")
         return False
     from jaxspec import bundled
 
     target_dir, drafter_dir = bundled.paths()
     args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
     args.dtype = args.dtype or "float32"
-    args.prompt = args.prompt or bundled.prompts()[:1]
-    args.stats = True
     return True
 
 
@@ -218,7 +215,13 @@ def cmd_generate(args) -> int:
     from jaxspec.tokenizer import load_tokenizer
 
     args.num_steps = _num_steps(args)
-    bundled = _use_bundled_pair(args)
+    bundled = use_bundled_pair(args)
+    if bundled:
+        from jaxspec.bundled import prompts as held_out_prompts
+
+        args.prompt, args.stats = args.prompt or held_out_prompts()[:1], True
+    elif not args.prompt:
+        raise SystemExit("jaxspec generate: --prompt is required with --model or --preset")
     compare = bundled if args.compare_plain is None else args.compare_plain
     target, source = _target(args, abstract=False)
     drafter = None

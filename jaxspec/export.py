@@ -130,18 +130,17 @@ def hf_tensors(cfg: KimiConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> d
         p = jax.tree.map(lambda a, i=i: a[i], stack)  # this layer's slice (Int4Array slices too)
         a = p["attn"]
         pre = f"model.layers.{layer}."
-        heads = lambda *parts: np.concatenate([np.asarray(x) for x in parts], axis=-1)  # [in, N, h1 + h2]  # noqa: E731
         t = {
             "input_layernorm.weight": p["input_norm"],
             "post_attention_layernorm.weight": p["post_attn_norm"],
             "self_attn.q_a_proj.weight": np.asarray(a["q_a"]).T,
             "self_attn.q_a_layernorm.weight": a["q_a_norm"],
-            "self_attn.q_b_proj.weight": _rows(heads(a["q_b_nope"], a["q_b_rope"])),
+            "self_attn.q_b_proj.weight": _rows(a["q_b_nope"], a["q_b_rope"]),
             "self_attn.kv_a_proj_with_mqa.weight": np.concatenate(
                 [np.asarray(a["kv_a_latent"]), np.asarray(a["kv_a_rope"])], axis=1
             ).T,
             "self_attn.kv_a_layernorm.weight": a["kv_a_norm"],
-            "self_attn.kv_b_proj.weight": _rows(heads(a["kv_b_k"], a["kv_b_v"])),
+            "self_attn.kv_b_proj.weight": _rows(a["kv_b_k"], a["kv_b_v"]),
             "self_attn.o_proj.weight": np.asarray(a["o"]).transpose(2, 0, 1).reshape(D, N * A),
         }
         m = p["mlp"]
@@ -158,8 +157,9 @@ def hf_tensors(cfg: KimiConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> d
     return out
 
 
-def _rows(w_INH: np.ndarray) -> np.ndarray:
-    """[in, N, h] per-head columns -> HF's [N * h, in] rows (head-major)."""
+def _rows(*parts_INH) -> np.ndarray:
+    """Per-head column blocks [in, N, h_i], concatenated per head -> HF's [N * sum(h_i), in] rows (head-major)."""
+    w_INH = np.concatenate([np.asarray(p) for p in parts_INH], axis=-1)
     i, n, h = w_INH.shape
     return w_INH.transpose(1, 2, 0).reshape(n * h, i)
 

@@ -44,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, default=Path("assets/kimi-py-tiny/target"))
     p.add_argument("--out", type=Path, default=Path("assets/kimi-py-tiny/drafter"))
-    p.add_argument("--work", type=Path, default=Path("/tmp/jaxspec-build/drafter"))
+    p.add_argument("--work", type=Path, default=Path("build/kimi-py-tiny/drafter"), help="dataset, checkpoints, logs")
     p.add_argument("--prompts", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-vocab", type=int, default=2048)

@@ -67,7 +67,7 @@ def batches(stream: np.ndarray, step: int, batch: int, seq: int, seed: int) -> n
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("assets/kimi-py-tiny/target"))
-    p.add_argument("--work", type=Path, default=Path("/tmp/jaxspec-build/target"), help="checkpoints and logs")
+    p.add_argument("--work", type=Path, default=Path("build/kimi-py-tiny/target"), help="checkpoints and logs")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=256)

@@ -326,21 +326,18 @@ def read_prompts(path: str | Path) -> list[list[int]]:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """`jaxspec tune`: build target + drafter from the arguments, sweep, print the table, write the outputs."""
-    from jaxspec.cli import _target
+    from jaxspec.cli import _target, use_bundled_pair
     from jaxspec.drafter import Drafter, load_drafter
     from jaxspec.models.eagle3 import draft_config_for
 
     if args.max_k < 0:
         raise SystemExit(f"jaxspec tune: --max-k must be >= 0, got {args.max_k}")
     prompts = None
-    if not args.model and not args.preset:  # the bundled trained pair, on its held-out prompts
+    if use_bundled_pair(args):  # the bundled trained pair, on its held-out prompts
         from jaxspec import bundled
         from jaxspec.tokenizer import load_tokenizer
 
-        target_dir, drafter_dir = bundled.paths()
-        args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
-        args.dtype = args.dtype or "float32"
-        tokenizer = load_tokenizer(target_dir)
+        tokenizer = load_tokenizer(args.model)
         prompts = [tokenizer.encode(p) for p in bundled.prompts()[:BUNDLED_PROMPTS]]
     if args.model and not args.drafter and args.max_k > 0:
         raise SystemExit("jaxspec tune: --model needs --drafter DIR (random drafters are only for --preset)")
