@@ -5,6 +5,7 @@ Public API (re-exports only; nothing runs at import time):
     load_target(dir, mesh=..., dtype=...) -> Target      HF-layout checkpoint or `jaxspec-convert target` output
     load_drafter(dir, target) -> Drafter                 EAGLE-3 drafter, SGLang/SpecForge or speculators layout
     generate(target, drafter, prompts, num_steps=k, ...) -> GenerateResult (.tokens, .text, .stats)
+                                                         on_progress= gets a Progress after every stream_cycles cycles
     Target.random / Target.abstract, KimiConfig.preset / from_pretrained, Eagle3Config, Sampling
     ConfigError, CheckpointError                         raised with every problem named at once
 
@@ -13,7 +14,7 @@ Also: `jaxspec.bundled.load_pair()` (the bundled trained pair), `jaxspec.tokeniz
 """
 
 from jaxspec.config import ConfigError, KimiConfig
-from jaxspec.decoding.generate import GenerateResult, generate
+from jaxspec.decoding.generate import GenerateResult, Progress, generate
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.drafter import Drafter, load_drafter
 from jaxspec.hf import CheckpointError
@@ -22,6 +23,7 @@ from jaxspec.target import Target, load_target
 
 __all__ = [
     "GenerateResult",
+    "Progress",
     "Sampling",
     "generate",
     "CheckpointError",

@@ -40,6 +40,18 @@ class GenerateResult:
     stats: dict[str, Any]
 
 
+@dataclasses.dataclass
+class Progress:
+    """What `generate(..., on_progress=)` sees after every `stream_cycles` cycles: the tokens generated so far per
+    prompt, cycles run, the per-position reached/accepted counters so far, and which prompts are finished."""
+
+    tokens: list[list[int]]
+    cycles: int
+    reached: np.ndarray
+    accepted: np.ndarray
+    done: list[bool]
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
@@ -87,13 +99,16 @@ def generate(
     tokenizer=None,
     on_cycles: Callable[[list[list[int]]], None] | None = None,
     stream_cycles: int = 8,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` per prompt with EAGLE-3 speculative decoding (`num_steps` draft tokens per
     cycle; 0 = plain decoding, drafter may be None). Greedy at temperature 0 (output identical to plain greedy);
     otherwise lossless speculative sampling with temperature / top-k / top-p applied identically to target and draft.
 
     `stop`: extra stop token ids (the target config's eos and the tokenizer's stop ids always apply). `on_cycles`
-    receives the tokens generated so far after every `stream_cycles` cycles (for streaming output).
+    receives the tokens generated so far after every `stream_cycles` cycles (for streaming output); `on_progress`
+    receives a `Progress` (tokens, cycles, acceptance counters, finished prompts) at the same points. The time spent
+    inside the callbacks is counted in `stats["seconds"]`.
     """
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= MAX_NUM_STEPS:
@@ -102,6 +117,8 @@ def generate(
         raise ValueError(f"num_steps={num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(stream_cycles, bool) or not isinstance(stream_cycles, int) or stream_cycles < 1:
+        raise ValueError(f"stream_cycles: expected an integer >= 1, got {stream_cycles!r}")
     cfg = target.config
     ids = _prompt_ids(prompts, tokenizer)
     for i, p in enumerate(ids):
@@ -148,13 +165,26 @@ def generate(
     }
     start = time.perf_counter()
     state = loop.prefill(loop_cfg, target.params, dparams, target.init_cache(batch, buffer), draft_cache, state_in)
+    streaming = on_cycles is not None or on_progress is not None
     while True:
-        limit = jnp.int32(stream_cycles if on_cycles else max_new_tokens + 1)
+        limit = jnp.int32(stream_cycles if streaming else max_new_tokens + 1)
         state = loop.run(loop_cfg, target.params, dparams, state, limit)
-        done = bool(np.asarray(state.done_B).all())
-        if on_cycles is not None:
-            on_cycles(_collect(state, len(ids)))
-        if done:
+        done_B = np.asarray(state.done_B)
+        if streaming:
+            tokens_so_far = _collect(state, len(ids))
+            if on_cycles is not None:
+                on_cycles(tokens_so_far)
+            if on_progress is not None:
+                on_progress(
+                    Progress(
+                        tokens_so_far,
+                        int(state.cycles),
+                        np.asarray(state.reached_J).copy(),
+                        np.asarray(state.accepted_J).copy(),
+                        done_B[: len(ids)].tolist(),
+                    )
+                )
+        if done_B.all():
             break
     seconds = time.perf_counter() - start
     out = _collect(state, len(ids))

@@ -217,6 +217,43 @@ class SpecLoop:
         pos_BT = n_B[:, None] + jnp.arange(J + 1, dtype=jnp.int32)
         out, tcache, captured = self._target_step(tparams, verify_BT, pos_BT, s.target_cache, cfg)
 
+        # 3-4. accept and commit
+        accepted_B, emitted_BT, active_B, committed = self._accept_commit(cfg, s, draft_BJ, qs, out, accept_key)
+        tokens_BS, end_B, length_B, done_B = committed
+
+        # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
+        draft_B, q_BV, hidden_BD = s.draft_B, s.draft_q_BV, s.hidden_BD
+        if J:
+            logits, h2, dcache = self.drafter.apply(
+                dparams, emitted_BT, concat_captured(captured), pos_BT, dcache, first_step=True
+            )
+            pick = lambda x: jnp.take_along_axis(self._replicated(x), accepted_B[:, None, None], axis=1)[:, 0]  # noqa: E731
+            new_draft_B, new_q_BV = self._draft_choose(extend_key, pick(logits), sampling)
+            draft_B = jnp.where(active_B, new_draft_B, s.draft_B)
+            q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
+            hidden_BD = jnp.where(active_B[:, None], pick(h2).astype(s.hidden_BD.dtype), s.hidden_BD)
+
+        # 6. statistics over the sequences that were active this cycle
+        return s.replace(
+            tokens_BS=tokens_BS,
+            length_B=length_B,
+            end_B=end_B,
+            done_B=done_B,
+            target_cache=tcache,
+            draft_cache=dcache,
+            draft_B=draft_B,
+            draft_q_BV=q_BV,
+            hidden_BD=hidden_BD,
+            key=key,
+            **self._count(J, s, accepted_B, active_B),
+        )
+
+    def _accept_commit(self, cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
+        """Steps 3-4 of a cycle: accept a prefix of the drafts against the target's output `out` (ids if greedy, else
+        logits) and commit it. Returns (accepted_B, emitted_BT, active_B, (tokens_BS, end_B, length_B, done_B))."""
+        J, sampling = cfg.num_steps, cfg.sampling
+        B = s.tokens_BS.shape[0]
+        n_B = s.length_B
         # 3. accept
         if sampling.greedy:
             accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
@@ -238,35 +275,16 @@ class SpecLoop:
         end_B = jnp.where(active_B, s.end_B + keep_B, s.end_B)
         length_B = jnp.where(active_B, n_B + accepted_B + 1, n_B)
         done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
+        return accepted_B, emitted_BT, active_B, (tokens_BS, end_B, length_B, done_B)
 
-        # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
-        draft_B, q_BV, hidden_BD = s.draft_B, s.draft_q_BV, s.hidden_BD
-        if J:
-            logits, h2, dcache = self.drafter.apply(
-                dparams, emitted_BT, concat_captured(captured), pos_BT, dcache, first_step=True
-            )
-            pick = lambda x: jnp.take_along_axis(self._replicated(x), accepted_B[:, None, None], axis=1)[:, 0]  # noqa: E731
-            new_draft_B, new_q_BV = self._draft_choose(extend_key, pick(logits), sampling)
-            draft_B = jnp.where(active_B, new_draft_B, s.draft_B)
-            q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
-            hidden_BD = jnp.where(active_B[:, None], pick(h2).astype(s.hidden_BD.dtype), s.hidden_BD)
-
-        # 6. statistics over the sequences that were active this cycle
+    @staticmethod
+    def _count(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:
+        """Step 6: per-position reached/accepted counters and the accepted-length histogram, over active rows."""
         idx_J = jnp.arange(J, dtype=jnp.int32)
         count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)  # noqa: E731
-        return s.replace(
-            tokens_BS=tokens_BS,
-            length_B=length_B,
-            end_B=end_B,
-            done_B=done_B,
-            target_cache=tcache,
-            draft_cache=dcache,
-            draft_B=draft_B,
-            draft_q_BV=q_BV,
-            hidden_BD=hidden_BD,
-            key=key,
-            cycles=s.cycles + 1,
-            reached_J=s.reached_J + count(accepted_B[:, None] >= idx_J),
-            accepted_J=s.accepted_J + count(accepted_B[:, None] > idx_J),
-            accept_hist_A=s.accept_hist_A + count(accepted_B[:, None] == jnp.arange(J + 1)),
-        )
+        return {
+            "cycles": s.cycles + 1,
+            "reached_J": s.reached_J + count(accepted_B[:, None] >= idx_J),
+            "accepted_J": s.accepted_J + count(accepted_B[:, None] > idx_J),
+            "accept_hist_A": s.accept_hist_A + count(accepted_B[:, None] == jnp.arange(J + 1)),
+        }

@@ -97,6 +97,26 @@ def test_oracle_drafter_accepts_everything(target, plain, k):
     assert s["cycles"] == math.ceil((NEW - 1) / (k + 1))
 
 
+def test_progress_hook_sees_counters_and_finished_prompts(target, drafter, plain):
+    """on_progress gets cumulative tokens/cycles/counters every stream_cycles cycles; the last call matches the
+    final stats, and `done` flags prompts as they finish."""
+    stop = stop_mid_batch(plain[3])
+    seen = []
+    kwargs = dict(max_new_tokens=NEW, num_steps=2, stop=stop, stream_cycles=2)
+    out = generate(target, drafter, PROMPTS[3], **kwargs, on_progress=seen.append)
+    assert out.tokens == generate(target, drafter, PROMPTS[3], **kwargs).tokens  # the hook changes nothing
+    assert len(seen) >= 3 and [p.cycles for p in seen[:-1]] == [2 * (i + 1) for i in range(len(seen) - 1)]
+    for prev, cur in zip(seen, seen[1:], strict=False):
+        assert all(len(a) <= len(b) and b[: len(a)] == a for a, b in zip(prev.tokens, cur.tokens, strict=True))
+        assert (cur.reached >= prev.reached).all() and (cur.accepted >= prev.accepted).all()
+    last = seen[-1]
+    assert last.tokens == out.tokens and last.cycles == out.stats["cycles"] and all(last.done)
+    assert last.reached.tolist() == out.stats["reached"] and last.accepted.tolist() == out.stats["accepted"]
+    for p in seen:  # a prompt flagged done has its final tokens
+        assert all(t == final for t, final, d in zip(p.tokens, out.tokens, p.done, strict=True) if d)
+    assert any(any(p.done) and not all(p.done) for p in seen)  # the stop id ends a prompt before the others
+
+
 def test_new_prompt_length_in_bucket_does_not_recompile(target, drafter):
     first = generate(target, drafter, [[5, 6, 7]], max_new_tokens=8, num_steps=2)
     again = generate(target, drafter, [[9, 8, 7, 6, 5, 4, 3]], max_new_tokens=10, num_steps=2)
@@ -159,6 +179,7 @@ def test_sampling_is_lossless(peaky, sampling, which):
         (dict(temperature=1.0, top_p=1.5), "top_p: expected a value in \\(0, 1\\]"),
         (dict(prompts=["hello"]), "pass tokenizer="),
         (dict(max_new_tokens=0), "max_new_tokens: expected an integer >= 1"),
+        (dict(stream_cycles=0), "stream_cycles: expected an integer >= 1"),
     ],
 )
 def test_bad_input_fails_before_compiling(target, drafter, kwargs, match):
