@@ -88,7 +88,8 @@ class CostModel:
 
     `t_verify` / `t_extend`: seconds as a function of the token count (a dict {tokens: s}, affine extrapolation
     outside it, or a callable). `t_decode`: one plain decode step (also k = 0's verify). `t_other`: per-cycle cost
-    not in any phase (accept, commit, loop bookkeeping). `batch`: sequences per cycle the times were measured at.
+    outside the model calls (accept, commit, counters): seconds, or like `t_verify` a function of k+1 tokens.
+    `batch`: sequences per cycle the times were measured at.
     """
 
     t_draft: float
@@ -96,7 +97,7 @@ class CostModel:
     t_extend: PhaseTime
     t_decode: float
     acceptance: Sequence[float] = ()
-    t_other: float = 0.0
+    t_other: float | PhaseTime = 0.0
     batch: int = 1
 
     def draft_steps(self, k: int) -> int:
@@ -114,7 +115,9 @@ class CostModel:
             "draft": self.draft_steps(k) * self.t_draft,
             "verify": _lookup(self.t_verify, k + 1, "t_verify") if k else self.t_decode,
             "extend": _lookup(self.t_extend, k + 1, "t_extend") if k else 0.0,
-            "other": self.t_other,
+            "other": float(self.t_other)
+            if isinstance(self.t_other, int | float)
+            else _lookup(self.t_other, k + 1, "t_other"),
         }
 
     def cycle_time(self, k: int) -> float:

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.spec_loop import SpecLoop
+from jaxspec.decoding.spec_loop import LoopConfig, LoopState, SpecLoop
 
 
 @dataclasses.dataclass
@@ -64,6 +64,7 @@ class PhaseTimer:
         self.greedy = Sampling()
         self.rep = NamedSharding(target.mesh, P())
         self.key = jax.device_put(jax.random.key(0), self.rep)
+        self._programs: dict[tuple, list] = {}  # phase key -> [compiled, fixed args, carry]
 
     def _put(self, x) -> jax.Array:
         return jax.device_put(x, self.rep)
@@ -78,14 +79,26 @@ class PhaseTimer:
         pos = self.context + np.arange(tokens, dtype=np.int32)
         return self._put(np.broadcast_to(pos, (self.batch, tokens)).copy())
 
-    def _time(self, body: Callable, fixed: tuple, carry: tuple, *, warmup: int, reps: int) -> float:
-        inner = self.inner
+    def _time(self, key, build: Callable[[], tuple[Callable, tuple, tuple]], *, warmup: int, reps: int) -> float:
+        """Seconds per phase call. `build()` -> (body, fixed, carry) runs once per `key`; the compiled program and its
+        (donated, fed back) carry are kept, so repeated calls re-time without recompiling or re-allocating."""
+        if key not in self._programs:
+            body, fixed, carry = build()
+            inner = self.inner
 
-        def program(fixed, carry):
-            return jax.lax.fori_loop(0, inner, lambda _, c: body(*fixed, *c), carry)
+            def program(fixed, carry):
+                return jax.lax.fori_loop(0, inner, lambda _, c: body(*fixed, *c), carry)
 
-        compiled = jax.jit(program, donate_argnums=1)
-        return median_seconds(lambda *c: compiled(fixed, c), carry, warmup=warmup, reps=reps) / inner
+            self._programs[key] = [jax.jit(program, donate_argnums=1), fixed, carry]
+            warmup = max(warmup, 1)  # the first call compiles
+        entry = self._programs[key]
+        compiled, fixed = entry[0], entry[1]
+
+        def step(*carry):
+            entry[2] = compiled(fixed, carry)
+            return entry[2]
+
+        return median_seconds(step, tuple(entry[2]), warmup=warmup, reps=reps) / self.inner
 
     def decode(self, *, warmup: int = 1, reps: int = 5) -> float:
         """One plain decode step: target forward of 1 token, greedy head, no capture."""
@@ -95,8 +108,11 @@ class PhaseTimer:
             out, cache, _ = target.apply(params, tokens, pos, cache, head="argmax")
             return self.loop._replicated(out), cache
 
-        carry = (self._ids(1), target.init_cache(self.batch, self.cache_len))
-        return self._time(body, (target.params, self._pos(1)), carry, warmup=warmup, reps=reps)
+        def build():
+            carry = (self._ids(1), target.init_cache(self.batch, self.cache_len))
+            return body, (target.params, self._pos(1)), carry
+
+        return self._time(("decode",), build, warmup=warmup, reps=reps)
 
     def verify(self, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
         """Target verify of `tokens` (= k+1) tokens, capturing the drafter's layers, greedy head."""
@@ -108,8 +124,11 @@ class PhaseTimer:
             nudge = (jnp.sum(captured[:, :, :1, :1]) * 0).astype(jnp.int32)
             return self.loop._replicated(out) + nudge, cache
 
-        carry = (self._ids(tokens), target.init_cache(self.batch, self.cache_len))
-        return self._time(body, (target.params, self._pos(tokens)), carry, warmup=warmup, reps=reps)
+        def build():
+            carry = (self._ids(tokens), target.init_cache(self.batch, self.cache_len))
+            return body, (target.params, self._pos(tokens)), carry
+
+        return self._time(("verify", tokens), build, warmup=warmup, reps=reps)
 
     def draft_step(self, *, warmup: int = 1, reps: int = 5) -> float:
         """One drafter step (1 token from the previous h2) and its greedy draft token choice."""
@@ -120,15 +139,17 @@ class PhaseTimer:
             ids_B, _ = loop._draft_choose(self.key, logits[:, 0], self.greedy)
             return ids_B[:, None], loop._replicated(h2).astype(hidden_B1D.dtype), cache
 
-        hidden = self._put(jnp.zeros((self.batch, 1, drafter.config.hidden_size), drafter.dtype) + 0.01)
-        carry = (self._ids(1), hidden, drafter.init_cache(self.batch, self.cache_len))
-        return self._time(body, (drafter.params, self._pos(1)), carry, warmup=warmup, reps=reps)
+        def build():
+            hidden = self._put(jnp.zeros((self.batch, 1, drafter.config.hidden_size), drafter.dtype) + 0.01)
+            carry = (self._ids(1), hidden, drafter.init_cache(self.batch, self.cache_len))
+            return body, (drafter.params, self._pos(1)), carry
+
+        return self._time(("draft",), build, warmup=warmup, reps=reps)
 
     def extend(self, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
         """Draft-extend over `tokens` (= k+1) tokens with captured target states, then the next first draft."""
         drafter, loop, cfg = self.drafter, self.loop, self.drafter.config
         width = len(drafter.capture_layers) * cfg.target_hidden_size
-        pick_B = self._put(np.full((self.batch,), tokens - 1, np.int32))
 
         def body(params, pos, pick_B, tokens_BT, aux_BTX, cache):
             logits, h2, cache = drafter.apply(params, tokens_BT, aux_BTX, pos, cache, first_step=True)
@@ -138,10 +159,57 @@ class PhaseTimer:
             aux_BTX = aux_BTX + (jnp.sum(pick(h2)) * 0).astype(aux_BTX.dtype)
             return tokens_BT, aux_BTX, cache
 
-        rng = np.random.default_rng(1)
-        aux = self._put(jnp.asarray(rng.standard_normal((self.batch, tokens, width)), drafter.target.dtype))
-        carry = (self._ids(tokens), aux, drafter.init_cache(self.batch, self.cache_len))
-        return self._time(body, (drafter.params, self._pos(tokens), pick_B), carry, warmup=warmup, reps=reps)
+        def build():
+            rng = np.random.default_rng(1)
+            aux = self._put(jnp.asarray(rng.standard_normal((self.batch, tokens, width)), drafter.target.dtype))
+            carry = (self._ids(tokens), aux, drafter.init_cache(self.batch, self.cache_len))
+            pick_B = self._put(np.full((self.batch,), tokens - 1, np.int32))
+            return body, (drafter.params, self._pos(tokens), pick_B), carry
+
+        return self._time(("extend", tokens), build, warmup=warmup, reps=reps)
+
+    def bookkeeping(self, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
+        """The loop's work outside the model calls in a greedy cycle verifying `tokens` (= k+1) tokens: accept,
+        commit (token buffer, lengths, stop and budget checks) and the acceptance counters (the model's t_other)."""
+        loop, J, B, S = self.loop, tokens - 1, self.batch, self.cache_len
+        if tokens + 2 > S:
+            raise ValueError(f"bookkeeping: {tokens} tokens do not fit a buffer of {S}")
+        cfg = LoopConfig(J, self.greedy, tuple(self.target.config.stop_token_ids), self.context, self.context)
+
+        def body(draft_BJ, out_BT, s):
+            accepted_B, _, active_B, (tokens_BS, end_B, length_B, done_B) = loop._accept_commit(
+                cfg, s, draft_BJ, [], out_BT, self.key
+            )
+            wrap = lambda x: 1 + (x - 1) % (S - tokens - 2)  # noqa: E731  (stay inside the buffer however long it runs)
+            counts = loop._count(J, s, accepted_B, active_B)
+            return (
+                s.replace(tokens_BS=tokens_BS, end_B=wrap(end_B), length_B=wrap(length_B), done_B=done_B, **counts),
+            )
+
+        def build():
+            length = min(self.context, S - tokens - 2)
+            zeros = lambda: self._put(np.zeros((B,), np.int32))  # noqa: E731  (a new buffer each: they are donated)
+            state = LoopState(
+                tokens_BS=self._put(np.random.default_rng(2).integers(0, self.target.vocab_size, (B, S), np.int32)),
+                prompt_len_B=zeros() + 1,
+                length_B=zeros() + length,
+                end_B=zeros() + length + 1,
+                max_new_B=zeros() + S,
+                done_B=self._put(np.zeros((B,), bool)),
+                target_cache=zeros(),
+                draft_cache=None,
+                draft_B=zeros(),
+                draft_q_BV=self._put(np.zeros((B, 1), np.float32)),
+                hidden_BD=self._put(np.zeros((B, 1), np.float32)),
+                key=self._put(jax.random.key(1)),
+                cycles=self._put(np.zeros((), np.int32)),
+                reached_J=self._put(np.zeros((J,), np.int32)),
+                accepted_J=self._put(np.zeros((J,), np.int32)),
+                accept_hist_A=self._put(np.zeros((J + 1,), np.int32)),
+            )
+            return body, (self._ids(J), self._ids(J + 1)), (state,)
+
+        return self._time(("bookkeeping", tokens), build, warmup=warmup, reps=reps)
 
     def all(self, token_counts: Iterable[int], *, warmup: int = 1, reps: int = 5) -> PhaseTimes:
         """Every phase; verify and draft-extend at each of `token_counts` (k+1 for the depths k >= 1 of interest)."""

@@ -86,6 +86,10 @@ def test_cost_model_terms_and_prediction():
     )
     with pytest.raises(ValueError, match="t_verify"):
         CostModel(1e-3, {2: 1e-3}, {2: 1e-3}, 1e-3).predict(3)
+    # t_other: a constant, or measured per token count like verify (k = 0 pays it on top of the decode step).
+    per_k = CostModel(1e-3, {2: 5e-3}, {2: 1e-3}, 4e-3, [0.5], t_other={1: 0.1e-3, 2: 0.2e-3})
+    assert per_k.terms(0)["other"] == pytest.approx(0.1e-3) and per_k.terms(1)["other"] == pytest.approx(0.2e-3)
+    assert per_k.cycle_time(1) == pytest.approx(5e-3 + 1e-3 + 0.2e-3) and per_k.cycle_time(0) == pytest.approx(4.1e-3)
 
 
 def test_best_k():
