@@ -1,14 +1,23 @@
 """`jaxspec tune`: sweep the draft depth k, run the real loop for each, time every phase alone, fit the cost model
 and recommend k* = argmax of the predicted throughput.
 
-Measured throughput is the loop's steady state: the run streams every `stream_cycles` cycles and only the chunks
-after the first (which holds prefill) and before the last (partial) are counted, so prefill and compile time are
-excluded; runs too short for that fall back to the whole run (`steady: false` in the row).
+Measurement design (timings on shared machines drift by 10-20% over seconds, far more than the model's terms):
+- Each k runs `jaxspec.generate` with a progress hook every `stream_cycles` cycles. Right after each chunk of cycles,
+  the phases of that k (verify and draft-extend of k+1 tokens, a drafter step; a plain decode step for k = 0) are
+  timed alone, so every measured chunk has its phase times taken under the same machine conditions.
+- Only steady chunks count: after the first (which holds prefill and the first cycles) and while every prompt is
+  still generating (a finished prompt leaves its batch row idle, which the model does not describe). The time spent
+  timing phases is excluded from the chunk's seconds.
+- E(k) comes from the per-position acceptance counters of those same steady chunks, pooled over all k (a_j is a
+  property of the drafter on this text, not of k).
+- The sweep runs `repeats` rounds over all k, alternating the order, so slow drift hits every k alike; per k the
+  chunks of all rounds are pooled.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -16,19 +25,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxspec.profiling.cost_model import (
     GAP_TOLERANCE,
     CostModel,
     conditional_acceptance,
     explain_gap,
-    pool_counters,
     relative_gap,
 )
-from jaxspec.profiling.timing import PhaseTimer, PhaseTimes
+from jaxspec.profiling.timing import PhaseTimer
 
 DEFAULT_PROMPTS = ((1, 17, 42, 7, 99, 3, 56, 12), (5, 8, 13, 21, 34, 55, 89, 144))
-BUNDLED_PROMPTS = 4  # held-out prompts of the bundled pair swept together (one batch)
+BUNDLED_PROMPTS = 8  # held-out prompts of the bundled pair swept together (one batch)
 TABLE_COLUMNS = (
     "k",
     "draft tokens",
@@ -41,48 +50,87 @@ TABLE_COLUMNS = (
 )
 
 
-def measure_loop(
+@dataclasses.dataclass
+class Chunk:
+    """`stream_cycles` cycles of the loop at one depth, all prompts running, and the phases timed right after."""
+
+    seconds: float
+    cycles: int
+    tokens: int
+    reached: np.ndarray
+    accepted: np.ndarray
+    phases: dict[str, float]  # seconds per call: "other", and "decode" (k = 0) or "verify", "extend" (+ "draft")
+
+
+def time_phases_of(timer: PhaseTimer, k: int, *, reps: int = 1) -> dict[str, float]:
+    """Seconds per call of the phases a cycle of depth k runs (compiled on first use)."""
+    out = {"other": timer.bookkeeping(k + 1, warmup=0, reps=reps)}
+    if k == 0:
+        return out | {"decode": timer.decode(warmup=0, reps=reps)}
+    out |= {"verify": timer.verify(k + 1, warmup=0, reps=reps), "extend": timer.extend(k + 1, warmup=0, reps=reps)}
+    if k >= 2:
+        out["draft"] = timer.draft_step(warmup=0, reps=reps)
+    return out
+
+
+def steady_chunks(marks: Sequence[tuple[float, Any, dict[str, float], float]]) -> list[Chunk]:
+    """Chunks between consecutive progress marks `(chunk end time, Progress, phases timed, time the loop resumed)`:
+    from the second mark on (the first chunk holds prefill) up to the first mark at which a prompt has finished.
+    A chunk's seconds run from the loop resuming to its end, so the phase timing in between is not counted."""
+    chunks = []
+    for (_, prev, _, resumed), (end, cur, phases, _) in zip(marks, marks[1:], strict=False):
+        if any(cur.done):
+            break
+        chunks.append(
+            Chunk(
+                seconds=end - resumed,
+                cycles=cur.cycles - prev.cycles,
+                tokens=sum(map(len, cur.tokens)) - sum(map(len, prev.tokens)),
+                reached=np.asarray(cur.reached) - np.asarray(prev.reached),
+                accepted=np.asarray(cur.accepted) - np.asarray(prev.accepted),
+                phases=phases,
+            )
+        )
+    return chunks
+
+
+def run_depth(
     target,
     drafter,
     prompts: Sequence[Sequence[int]],
     k: int,
+    timer: PhaseTimer,
     *,
     max_new_tokens: int,
-    stream_cycles: int = 16,
-    repeats: int = 3,
-) -> dict[str, Any]:
-    """Run `jaxspec.generate` at depth k once to compile, then `repeats` times; the run with the median steady-state
-    throughput is returned (tokens, cycles and seconds of its steady chunks, and the loop's own stats)."""
+    stream_cycles: int,
+    reps: int = 1,
+) -> tuple[list[Chunk], dict[str, Any]]:
+    """One `generate` run at depth k with the phases of k timed after every chunk; returns its steady chunks (see the
+    module docstring) and the run's stats."""
     from jaxspec.decoding.generate import generate
 
-    kwargs = dict(max_new_tokens=max_new_tokens, num_steps=k, stream_cycles=stream_cycles)
-    generate(target, drafter if k else None, prompts, **kwargs, on_cycles=lambda _: None)
-    results = []
-    for _ in range(max(repeats, 1)):
-        marks: list[tuple[float, int]] = []
+    marks = []
 
-        def mark(tokens: list[list[int]], marks=marks) -> None:
-            marks.append((time.perf_counter(), sum(len(t) for t in tokens)))
+    def hook(progress) -> None:
+        end = time.perf_counter()
+        phases = time_phases_of(timer, k, reps=reps)
+        marks.append((end, progress, phases, time.perf_counter()))
 
-        stats = generate(target, drafter if k else None, prompts, **kwargs, on_cycles=mark).stats
-        if len(marks) >= 3:  # chunks 2 .. n-1: full chunks of stream_cycles cycles, no prefill
-            seconds, tokens = marks[-2][0] - marks[0][0], marks[-2][1] - marks[0][1]
-            cycles, steady = stream_cycles * (len(marks) - 2), True
-        else:
-            seconds, tokens, cycles, steady = stats["seconds"], stats["new_tokens"], stats["cycles"], False
-        results.append(
-            {
-                "stats": stats,
-                "steady": steady,
-                "seconds": seconds,
-                "tokens": tokens,
-                "cycles": cycles,
-                "cycle_s": seconds / max(cycles, 1),
-                "tokens_per_cycle": tokens / max(cycles, 1) / len(prompts),
-                "tok_s": tokens / seconds,
-            }
-        )
-    return sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]
+    stats = generate(
+        target,
+        drafter if k else None,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        num_steps=k,
+        stream_cycles=stream_cycles,
+        on_progress=hook,
+    ).stats
+    return steady_chunks(marks), stats
+
+
+def _phase(chunks: Sequence[Chunk], name: str) -> float:
+    """Mean seconds of one phase over the chunks (the measured side is a mean over the same chunks too)."""
+    return float(np.mean([c.phases[name] for c in chunks]))
 
 
 def tune(
@@ -91,24 +139,23 @@ def tune(
     prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS,
     ks: Iterable[int] = range(0, 5),
     *,
-    max_new_tokens: int = 96,
+    max_new_tokens: int = 256,
     output_dir: str | Path | None = None,
     collective_preset: str | dict | None = None,
-    stream_cycles: int = 16,
-    reps: int = 7,
-    inner: int = 16,
+    stream_cycles: int = 4,
+    reps: int = 1,
+    inner: int = 4,
     repeats: int = 3,
-    calibrate_other: bool = True,
     verbose: bool = True,
 ) -> dict[str, Any]:
     """Sweep draft depths `ks` and return (and with `output_dir`, write `tune.json` + `tune.png`) the tuning report.
 
-    `calibrate_other`: take the per-cycle cost outside the timed phases (accept, commit, loop bookkeeping) from the
-    k = 0 run (its cycle is one decode step plus that cost); otherwise it is 0."""
+    `repeats` rounds over all k; each phase is timed `reps` x `inner` calls after every chunk of `stream_cycles`
+    cycles. Raises ValueError when some k has no steady chunk (every prompt must run at least two chunks)."""
     import jax
     import jaxlib
 
-    from jaxspec.decoding.generate import MIN_PROMPT_BUCKET, _bucket
+    from jaxspec.decoding.generate import MIN_PROMPT_BUCKET, _bucket, generate
 
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 0:
@@ -118,54 +165,91 @@ def tune(
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
         raise ValueError("prompts: expected at least one prompt of token ids")
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1 rounds, got {repeats}")
 
-    # Phases are timed right after the loop run of each k, so both see the same machine load.
-    prompt_bucket = _bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
-    runs, timer = {}, None
-    t_verify, t_extend, t_draft, t_decode = {}, {}, [], []
+    # Compile every loop and phase program first, one phase timer per (batch, buffer) bucket the loops use.
+    context = _bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET) + max_new_tokens // 2
+    timers: dict[tuple[int, int], PhaseTimer] = {}
+    timer_of: dict[int, PhaseTimer] = {}
+    bar = tqdm(total=(repeats + 1) * len(ks), desc="jaxspec tune", unit="run", disable=not verbose)
     for k in ks:
-        runs[k] = measure_loop(
-            target, drafter, prompts, k, max_new_tokens=max_new_tokens, stream_cycles=stream_cycles, repeats=repeats
-        )
-        buckets = runs[k]["stats"]["buckets"]
-        if timer is None or (timer.batch, timer.cache_len) != (buckets["batch"], buckets["buffer"]):
-            timer = PhaseTimer(
+        bar.set_postfix(k=k, round="compile")
+        buckets = generate(target, drafter if k else None, prompts, max_new_tokens=max_new_tokens, num_steps=k).stats[
+            "buckets"
+        ]
+        shape = (buckets["batch"], buckets["buffer"])
+        if shape not in timers:
+            timers[shape] = PhaseTimer(
+                target, drafter, batch=shape[0], cache_len=shape[1], context=context, inner=inner
+            )
+        timer_of[k] = timers[shape]
+        time_phases_of(timer_of[k], k)
+        bar.update()
+
+    chunks: dict[int, list[Chunk]] = {k: [] for k in ks}
+    last_stats: dict[int, dict] = {}
+    for round_ in range(repeats):
+        for k in ks if round_ % 2 == 0 else ks[::-1]:
+            bar.set_postfix(k=k, round=round_ + 1)
+            got, last_stats[k] = run_depth(
                 target,
                 drafter,
-                batch=buckets["batch"],
-                cache_len=buckets["buffer"],
-                context=prompt_bucket + max_new_tokens // 2,
-                inner=inner,
+                prompts,
+                k,
+                timer_of[k],
+                max_new_tokens=max_new_tokens,
+                stream_cycles=stream_cycles,
+                reps=reps,
             )
-        if k == 0 or k == ks[0]:
-            t_decode.append(timer.decode(reps=reps))
-        if k >= 1:
-            t_verify[k + 1], t_extend[k + 1] = timer.verify(k + 1, reps=reps), timer.extend(k + 1, reps=reps)
-        if k >= 2:
-            t_draft.append(timer.draft_step(reps=reps))
-    phases = PhaseTimes(
-        float(np.median(t_draft)) if t_draft else 0.0,
-        t_verify,
-        t_extend,
-        float(np.median(t_decode)),
-        timer.batch,
-        timer.cache_len,
-        timer.context,
-    )
-    reached, accepted = pool_counters((r["stats"]["reached"], r["stats"]["accepted"]) for r in runs.values())
+            chunks[k] += got
+            bar.update()
+    bar.close()
+    empty = [k for k in ks if not chunks[k]]
+    if empty:
+        raise ValueError(
+            f"k = {empty}: no steady chunk (after the first {stream_cycles} cycles and before any prompt finished); "
+            f"raise max_new_tokens (now {max_new_tokens}) or lower stream_cycles"
+        )
+
+    depth = max(ks)
+    reached, accepted = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
+    for k in ks:
+        for c in chunks[k]:
+            reached[:k] += c.reached
+            accepted[:k] += c.accepted
     acceptance = conditional_acceptance(reached, accepted)
-    t_other = 0.0
-    if calibrate_other and 0 in ks:
-        t_other = max(runs[0]["cycle_s"] - phases.t_decode, 0.0)
+    drafting = [c for k in ks if k >= 2 for c in chunks[k]]
+    if 0 in ks:
+        t_decode = _phase(chunks[0], "decode")
+    else:
+        t_decode = timer_of[ks[0]].decode(reps=max(3, reps))
     model = CostModel(
-        t_draft=phases.t_draft,
-        t_verify=phases.t_verify,
-        t_extend=phases.t_extend,
-        t_decode=phases.t_decode,
+        t_draft=_phase(drafting, "draft") if drafting else 0.0,
+        t_verify={k + 1: _phase(chunks[k], "verify") for k in ks if k},
+        t_extend={k + 1: _phase(chunks[k], "extend") for k in ks if k},
+        t_decode=t_decode,
         acceptance=acceptance,
-        t_other=t_other,
+        t_other={k + 1: _phase(chunks[k], "other") for k in ks},
         batch=len(prompts),
     )
+    runs = {}
+    for k in ks:
+        seconds = sum(c.seconds for c in chunks[k])
+        cycles = sum(c.cycles for c in chunks[k])
+        tokens = sum(c.tokens for c in chunks[k])
+        own_reached = sum((c.reached for c in chunks[k]), np.zeros(k, np.int64))
+        own_accepted = sum((c.accepted for c in chunks[k]), np.zeros(k, np.int64))
+        runs[k] = {
+            "acceptance": [float(a) for a in np.nan_to_num(conditional_acceptance(own_reached, own_accepted))],
+            "stats": last_stats[k],
+            "chunks": len(chunks[k]),
+            "cycle_s": seconds / cycles,
+            "tokens_per_cycle": tokens / cycles / len(prompts),
+            "tok_s": tokens / seconds,
+            "cycles": cycles,
+        }
+    timer = timer_of[ks[-1]]
 
     rows = []
     for k in ks:
@@ -191,12 +275,12 @@ def tune(
                 "measured_E": run["tokens_per_cycle"],
                 "predicted_tok_s": r_pred,
                 "measured_tok_s": run["tok_s"],
-                "measured_e2e_tok_s": run["stats"]["tokens_per_second"],
                 "predicted_speedup": model.speedup(k),
                 "gap": relative_gap(r_pred, run["tok_s"]),
                 "gap_explanation": explanation,
-                "steady": run["steady"],
-                "cycles": run["stats"]["cycles"],
+                "measured_acceptance": run["acceptance"],
+                "steady_chunks": run["chunks"],
+                "steady_cycles": run["cycles"],
                 "new_tokens": run["stats"]["new_tokens"],
             }
         )
@@ -217,15 +301,20 @@ def tune(
             "rate": [None if np.isnan(a) else float(a) for a in acceptance],
         },
         "phases_ms": {
-            "draft": phases.t_draft * 1e3,
-            "verify": {str(t): s * 1e3 for t, s in phases.t_verify.items()},
-            "extend": {str(t): s * 1e3 for t, s in phases.t_extend.items()},
-            "decode": phases.t_decode * 1e3,
-            "other": t_other * 1e3,
-            "other_source": "k=0 loop cycle minus decode step" if calibrate_other and 0 in ks else "assumed 0",
+            "draft": model.t_draft * 1e3,
+            "verify": {str(t): v * 1e3 for t, v in model.t_verify.items()},
+            "extend": {str(t): v * 1e3 for t, v in model.t_extend.items()},
+            "decode": model.t_decode * 1e3,
+            "other": {str(t): v * 1e3 for t, v in model.t_other.items()},
+        },
+        "measurement": {
+            "rounds": repeats,
+            "stream_cycles": stream_cycles,
+            "phase_calls_per_chunk": reps * inner,
+            "pairing": "phases of k timed right after every steady chunk of the loop at k",
         },
         "baseline_tok_s": model.baseline(),
-        "batch": {"prompts": len(prompts), "padded": phases.batch, "buffer": phases.cache_len},
+        "batch": {"prompts": len(prompts), "padded": timer.batch, "buffer": timer.cache_len},
         "max_new_tokens": max_new_tokens,
         "mesh": {str(name): int(size) for name, size in target.mesh.shape.items()},
         "collective_preset": preset.get("name") if isinstance(preset, dict) else preset,
@@ -299,7 +388,16 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (default with --preset: random drafter)")
     p.add_argument("--max-k", type=int, default=4, help="sweep k = 0..MAX_K draft tokens (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt and k (%(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt and k (%(default)s)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="sweeps over all k, alternating order, pooled (default: %(default)s)"
+    )
+    p.add_argument(
+        "--stream-cycles",
+        type=int,
+        default=4,
+        help="cycles per measured chunk; the phases are timed after each chunk (default: %(default)s)",
+    )
     p.add_argument(
         "--prompts-file",
         type=Path,
@@ -332,6 +430,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.max_k < 0:
         raise SystemExit(f"jaxspec tune: --max-k must be >= 0, got {args.max_k}")
+    for name in ("rounds", "stream_cycles", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"jaxspec tune: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     prompts = None
     if use_bundled_pair(args):  # the bundled trained pair, on its held-out prompts
         from jaxspec import bundled
@@ -359,6 +460,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         prompts,
         range(0, args.max_k + 1),
         max_new_tokens=args.max_new_tokens,
+        repeats=args.rounds,
+        stream_cycles=args.stream_cycles,
         output_dir=args.output,
         collective_preset=getattr(args, "preset_record", None),
     )

@@ -5,15 +5,26 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxspec import KimiConfig, Target
-from jaxspec.profiling.tune import TABLE_COLUMNS, add_tune_arguments, cmd_tune, format_table, read_prompts, tune
+from jaxspec import KimiConfig, Progress, Target
+from jaxspec.profiling.timing import PhaseTimer
+from jaxspec.profiling.tune import (
+    TABLE_COLUMNS,
+    add_tune_arguments,
+    cmd_tune,
+    format_table,
+    read_prompts,
+    steady_chunks,
+    time_phases_of,
+    tune,
+)
 from sharding.mesh import make_mesh
 from tests.decoding.drafters import random_drafter
 
 PROMPTS = [[1, 17, 42, 7, 99], [5, 8, 13, 21, 34, 55]]
-FAST = dict(max_new_tokens=32, stream_cycles=8, reps=2, inner=2, repeats=1, verbose=False)
+FAST = dict(max_new_tokens=32, stream_cycles=8, inner=2, repeats=1, verbose=False)
 ROW_FIELDS = {"k", "draft_tokens", "verify_ms", "cycle_ms", "E", "predicted_tok_s", "measured_tok_s", "gap"}
 
 try:
@@ -40,6 +51,12 @@ def _check_report(report, ks, mesh):
     # (Which k wins depends on measured timings, which move by >10% on a shared CPU: not asserted here.)
     assert report["measured_best_k"] in ks
     assert len(report["acceptance"]["rate"]) == max(ks) and report["acceptance"]["rate"][0] < 0.3
+    for row in report["rows"]:
+        assert len(row["measured_acceptance"]) == row["k"] and row["steady_chunks"] >= 1
+        terms = row["draft_ms"] + row["verify_ms"] + row["extend_ms"] + row["other_ms"]
+        assert row["cycle_ms"] == pytest.approx(terms) and row["other_ms"] > 0
+    assert set(report["phases_ms"]["other"]) == {str(k + 1) for k in ks}
+    assert report["measurement"]["rounds"] == FAST["repeats"]
     assert report["mesh"] == mesh
     assert set(report["versions"]) >= {"jax", "jaxlib"} and report["versions"]["jax"] == jax.__version__
 
@@ -65,6 +82,44 @@ def test_tune_on_8_devices(target):
     assert report["collective_preset"] == "cpu-sim"
 
 
+def _progress(cycles, lengths, reached, accepted, done):
+    return Progress([[7] * n for n in lengths], cycles, np.array(reached), np.array(accepted), done)
+
+
+def test_steady_chunks_skip_prefill_finished_prompts_and_phase_timing():
+    phases = {"verify": 0.02, "extend": 0.001, "other": 0.0001}
+    marks = [  # (chunk end, progress, phases timed after it, loop resumed)
+        (1.0, _progress(4, [3, 5], [8, 6], [6, 5], [False, False]), phases, 1.5),  # holds prefill: a base only
+        (2.0, _progress(8, [9, 10], [16, 12], [13, 10], [False, False]), phases, 2.6),
+        (3.0, _progress(12, [15, 16], [24, 18], [20, 16], [False, False]), phases, 3.2),
+        (4.0, _progress(16, [20, 16], [32, 20], [27, 17], [False, True]), phases, 4.1),  # a prompt finished
+        (5.0, _progress(20, [26, 16], [36, 24], [30, 20], [False, True]), phases, 5.1),
+    ]
+    chunks = steady_chunks(marks)
+    assert len(chunks) == 2
+    first, second = chunks
+    assert first.seconds == pytest.approx(0.5) and second.seconds == pytest.approx(0.4)  # phase timing excluded
+    assert (first.cycles, first.tokens, first.reached.tolist(), first.accepted.tolist()) == (4, 11, [8, 6], [7, 5])
+    assert (second.cycles, second.tokens, second.reached.tolist(), second.accepted.tolist()) == (4, 12, [8, 6], [7, 6])
+    assert first.phases is phases
+    assert steady_chunks(marks[:1]) == [] and steady_chunks([]) == []
+
+
+def test_phase_set_per_depth(target):
+    timer = PhaseTimer(target, random_drafter(target), batch=2, cache_len=64, context=16, inner=1)
+    assert set(time_phases_of(timer, 0)) == {"decode", "other"}
+    assert set(time_phases_of(timer, 1)) == {"verify", "extend", "other"}
+    three = time_phases_of(timer, 3)
+    assert set(three) == {"verify", "extend", "draft", "other"} and all(v > 0 for v in three.values())
+    assert three["other"] < three["verify"]  # accept/commit bookkeeping is cheap next to a target forward
+
+
+def test_tune_without_a_steady_chunk_says_what_to_change(target):
+    fast = FAST | dict(max_new_tokens=4)  # every run fits in its first chunk of 8 cycles
+    with pytest.raises(ValueError, match="no steady chunk.*max_new_tokens \\(now 4\\)"):
+        tune(target, random_drafter(target), PROMPTS, (0, 1), **fast)
+
+
 def test_tune_rejects_bad_sweeps(target):
     with pytest.raises(ValueError, match="drafter"):
         tune(target, None, PROMPTS, (0, 1), **FAST)
@@ -77,6 +132,9 @@ def test_cli_arguments_and_prompts_file(tmp_path):
     add_tune_arguments(p)
     args = p.parse_args(["--preset", "tiny", "--max-k", "3", "--output", str(tmp_path)])
     assert (args.preset, args.max_k, args.drafter, args.output) == ("tiny", 3, None, tmp_path)
+    assert (args.rounds, args.stream_cycles, args.max_new_tokens) == (3, 4, 256)
+    with pytest.raises(SystemExit, match="--rounds must be >= 1"):
+        cmd_tune(p.parse_args(["--preset", "tiny", "--rounds", "0"]))
     good = tmp_path / "prompts.txt"
     good.write_text("1,2,3\n\n4, 5\n")
     assert read_prompts(good) == [[1, 2, 3], [4, 5]]
