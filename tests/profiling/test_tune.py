@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from tests.decoding.drafters import random_drafter
 
 PROMPTS = [[1, 17, 42, 7, 99], [5, 8, 13, 21, 34, 55]]
 FAST = dict(max_new_tokens=32, stream_cycles=8, inner=2, repeats=1, verbose=False)
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 ROW_FIELDS = {"k", "draft_tokens", "verify_ms", "cycle_ms", "E", "predicted_tok_s", "measured_tok_s", "gap"}
 
 try:
@@ -146,3 +148,21 @@ def test_cli_arguments_and_prompts_file(tmp_path):
         cmd_tune(p.parse_args(["--model", str(tmp_path)]))
     with pytest.raises(SystemExit, match="prompts-file"):
         cmd_tune(p.parse_args(["--preset", "tiny", "--prompts-file", str(bad)]))
+
+
+@pytest.mark.parametrize("name", ["tune_bundled", "tune_bundled_k6"])
+def test_recorded_bundled_tuning_meets_the_criteria(name):
+    """The recorded tuner runs on the bundled pair (`python benchmarks/tune_bundled.py`): every predicted rate within
+    10% of the measured one, the recommendation within 3% of the measured best, the run's setup recorded; the README
+    shows the k = 0..4 table as recorded."""
+    report = json.loads((RESULTS / name / "tune.json").read_text())
+    assert all(abs(r["gap"]) <= 0.10 for r in report["rows"]) and report["all_within_tolerance"]
+    best = max(r["measured_tok_s"] for r in report["rows"])
+    rows = {r["k"]: r for r in report["rows"]}
+    assert rows[report["recommended_k"]]["measured_tok_s"] >= 0.97 * best and report["recommended_within_3pct"]
+    assert report["batch"]["prompts"] == 8 and report["max_new_tokens"] == 256 and report["measurement"]["rounds"] == 3
+    assert {"mesh", "collective_preset", "versions", "platform"} <= set(report)
+    if name == "tune_bundled":
+        readme = (RESULTS.parents[1] / "README.md").read_text()
+        for line in format_table(report).splitlines():
+            assert line in readme, line
