@@ -405,6 +405,11 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
         "prompts)",
     )
     p.add_argument("--output", type=Path, help="write DIR/tune.json and DIR/tune.png")
+    p.add_argument(
+        "--presets",
+        help="comma-separated collective presets to sweep (see sharding/collectives.py), each in its own process "
+        "(XLA reads the flags when its backend starts) writing DIR/<preset>/; DIR/presets.json ranks them",
+    )
 
 
 def read_prompts(path: str | Path) -> list[list[int]]:
@@ -422,6 +427,80 @@ def read_prompts(path: str | Path) -> list[list[int]]:
     return prompts
 
 
+def _child_argv(args: argparse.Namespace, preset: str, output: Path) -> list[str]:
+    """`jaxspec --collective-preset PRESET tune ...` with this invocation's tune arguments (for --presets)."""
+    argv = ["--collective-preset", preset]
+    if getattr(args, "cpu_devices", 0):
+        argv += ["--cpu-devices", str(args.cpu_devices)]
+    argv.append("tune")
+    for flag in ("model", "preset", "mesh", "dtype", "drafter", "prompts_file"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for flag in ("max_k", "max_new_tokens", "rounds", "stream_cycles"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv + ["--output", str(output)]
+
+
+def sweep_presets(args: argparse.Namespace, presets: Sequence[str]) -> int:
+    """`jaxspec tune --presets a,b`: the same sweep once per collective preset, each in a fresh process, then
+    DIR/presets.json with every preset's recommended k and its measured rate, and the best (preset, k). Exit status 1
+    (and `"complete": false`) when a preset's run failed; the others are still reported."""
+    import subprocess
+    import sys
+
+    results = []
+    for name in presets:
+        out = args.output / name
+        argv = [sys.executable, "-m", "jaxspec", *_child_argv(args, name, out)]
+        print(f"== collective preset {name}: jaxspec {' '.join(argv[3:])}", flush=True)
+        code = subprocess.run(argv, check=False).returncode
+        path = out / "tune.json"
+        if code != 0 or not path.is_file():
+            results.append({"preset": name, "error": f"jaxspec tune exited with status {code}"})
+            continue
+        report = json.loads(path.read_text())
+        rows = {r["k"]: r for r in report["rows"]}
+        k = report["recommended_k"]
+        record = report.get("collective_preset_record") or {}
+        results.append(
+            {
+                "preset": name,
+                "preset_platform": record.get("platform"),
+                "platform": report["platform"],
+                "recommended_k": k,
+                "measured_tok_s": rows[k]["measured_tok_s"],
+                "predicted_tok_s": rows[k]["predicted_tok_s"],
+                "plain_tok_s": rows[0]["measured_tok_s"] if 0 in rows else None,
+                "tune_json": str(path),
+            }
+        )
+    ok = [r for r in results if "error" not in r]
+    best = max(ok, key=lambda r: r["measured_tok_s"]) if ok else None
+    summary = {
+        "presets": results,
+        "best": {"preset": best["preset"], "k": best["recommended_k"]} if best else None,
+        "complete": len(ok) == len(results),
+    }
+    (args.output / "presets.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("preset | platform | k* | measured tok/s at k* | predicted | plain tok/s")
+    for r in results:
+        if "error" in r:
+            print(f"{r['preset']} | - | - | {r['error']}")
+            continue
+        plain = "-" if r["plain_tok_s"] is None else f"{r['plain_tok_s']:.1f}"
+        where = r["platform"]
+        if r["preset_platform"] not in (None, "any", r["platform"]):
+            where += f" (a {r['preset_platform']} preset: its flags do nothing here)"
+        print(
+            f"{r['preset']} | {where} | {r['recommended_k']} | {r['measured_tok_s']:.1f} | "
+            f"{r['predicted_tok_s']:.1f} | {plain}"
+        )
+    if best:
+        print(f"best: preset {best['preset']} with k = {best['recommended_k']}")
+    print(f"wrote {args.output / 'presets.json'}")
+    return 0 if summary["complete"] else 1
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """`jaxspec tune`: build target + drafter from the arguments, sweep, print the table, write the outputs."""
     from jaxspec.cli import _target, use_bundled_pair
@@ -433,6 +512,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for name in ("rounds", "stream_cycles", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"jaxspec tune: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.presets:
+        from sharding.collectives import get_preset
+
+        names = [n.strip() for n in args.presets.split(",") if n.strip()]
+        if not names:
+            raise SystemExit("jaxspec tune: --presets: expected comma-separated preset names")
+        try:
+            for n in names:
+                get_preset(n)
+        except ValueError as e:
+            raise SystemExit(f"jaxspec tune: --presets: {e}") from None
+        if not args.output:
+            raise SystemExit("jaxspec tune: --presets needs --output DIR (each preset writes DIR/<preset>/)")
+        if getattr(args, "collective_preset", "default") != "default":
+            raise SystemExit("jaxspec tune: --presets sweeps the presets itself; drop --collective-preset")
+        return sweep_presets(args, names)
     prompts = None
     if use_bundled_pair(args):  # the bundled trained pair, on its held-out prompts
         from jaxspec import bundled

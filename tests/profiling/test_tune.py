@@ -129,6 +129,30 @@ def test_tune_rejects_bad_sweeps(target):
         tune(target, None, PROMPTS, (-1, 0), **FAST)
 
 
+def test_preset_sweep_runs_each_preset_in_its_own_process(tmp_path, monkeypatch):
+    """`jaxspec tune --presets`: one child process per collective preset (flags are read when XLA starts), each with
+    its own tune.json recording its preset, and presets.json ranking them."""
+    from jaxspec.cli import main
+
+    monkeypatch.setenv("XLA_FLAGS", "")  # the children get one CPU device (the suite simulates 8)
+    args = ["tune", "--preset", "tiny", "--dtype", "float32", "--max-k", "0", "--max-new-tokens", "32", "--rounds"]
+    args += ["1", "--stream-cycles", "8", "--presets", "default,cpu-sim", "--output", str(tmp_path)]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "presets.json").read_text())
+    assert [r["preset"] for r in summary["presets"]] == ["default", "cpu-sim"] and summary["complete"]
+    for row in summary["presets"]:
+        report = json.loads((tmp_path / row["preset"] / "tune.json").read_text())
+        assert report["collective_preset"] == row["preset"] and report["mesh"] == {"data": 1, "model": 1}
+        assert row["recommended_k"] == report["recommended_k"] == 0 and row["platform"] == "cpu"
+    assert summary["best"]["preset"] in ("default", "cpu-sim")
+    with pytest.raises(SystemExit, match="valid presets"):
+        main(["tune", "--preset", "tiny", "--presets", "default,fastest", "--output", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--presets needs --output"):
+        main(["tune", "--preset", "tiny", "--presets", "default"])
+    with pytest.raises(SystemExit, match="drop --collective-preset"):
+        main(["--collective-preset", "cpu-sim", "tune", "--preset", "tiny", "--presets", "default", "--output", "x"])
+
+
 def test_cli_arguments_and_prompts_file(tmp_path):
     p = argparse.ArgumentParser()
     add_tune_arguments(p)
