@@ -3,7 +3,9 @@
 Each phase runs `inner` times inside one compiled `fori_loop` whose carry feeds its output back in (so nothing is
 loop-invariant and per-call dispatch is amortised), with warm-up calls first and the median over `reps` calls.
 The phases are the ones `jaxspec.decoding.spec_loop` runs per cycle: a drafter step, verify of T = k+1 tokens
-(capturing the drafter's target layers), draft-extend over T tokens, and a plain decode step (k = 0's verify).
+(capturing the drafter's target layers), draft-extend over T tokens, the accept/commit/counter bookkeeping, and a plain
+decode step (k = 0's verify). Each phase compiles once per `PhaseTimer` and keeps its state, so it can be re-timed
+cheaply many times (the tuner times the phases after every few cycles of the real loop).
 """
 
 from __future__ import annotations
