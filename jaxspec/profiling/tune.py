@@ -175,10 +175,8 @@ def tune(
     bar = tqdm(total=(repeats + 1) * len(ks), desc="jaxspec tune", unit="run", disable=not verbose)
     for k in ks:
         bar.set_postfix(k=k, round="compile")
-        buckets = generate(target, drafter if k else None, prompts, max_new_tokens=max_new_tokens, num_steps=k).stats[
-            "buckets"
-        ]
-        shape = (buckets["batch"], buckets["buffer"])
+        first = generate(target, drafter if k else None, prompts, max_new_tokens=max_new_tokens, num_steps=k)
+        shape = (first.stats["buckets"]["batch"], first.stats["buckets"]["buffer"])
         if shape not in timers:
             timers[shape] = PhaseTimer(
                 target, drafter, batch=shape[0], cache_len=shape[1], context=context, inner=inner

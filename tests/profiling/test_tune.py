@@ -110,16 +110,15 @@ def test_steady_chunks_skip_prefill_finished_prompts_and_phase_timing():
 def test_phase_set_per_depth(target):
     timer = PhaseTimer(target, random_drafter(target), batch=2, cache_len=64, context=16, inner=1)
     assert set(time_phases_of(timer, 0)) == {"decode", "other"}
-    assert set(time_phases_of(timer, 1)) == {"verify", "extend", "other"}
-    three = time_phases_of(timer, 3)
-    assert set(three) == {"verify", "extend", "draft", "other"} and all(v > 0 for v in three.values())
-    assert three["other"] < three["verify"]  # accept/commit bookkeeping is cheap next to a target forward
+    two = time_phases_of(timer, 2)  # k = 1 is the same set without "draft" (no drafter step: d_1 comes from extend)
+    assert set(two) == {"verify", "extend", "draft", "other"} and all(v > 0 for v in two.values())
+    assert two["other"] < two["verify"]  # accept/commit bookkeeping is cheap next to a target forward
 
 
 def test_tune_without_a_steady_chunk_says_what_to_change(target):
     fast = FAST | dict(max_new_tokens=4)  # every run fits in its first chunk of 8 cycles
     with pytest.raises(ValueError, match="no steady chunk.*max_new_tokens \\(now 4\\)"):
-        tune(target, random_drafter(target), PROMPTS, (0, 1), **fast)
+        tune(target, None, PROMPTS, (0,), **fast)
 
 
 def test_tune_rejects_bad_sweeps(target):
