@@ -219,7 +219,6 @@ class SpecLoop:
 
         # 3-4. accept and commit
         accepted_B, emitted_BT, active_B, committed = self._accept_commit(cfg, s, draft_BJ, qs, out, accept_key)
-        tokens_BS, end_B, length_B, done_B = committed
 
         # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
         draft_B, q_BV, hidden_BD = s.draft_B, s.draft_q_BV, s.hidden_BD
@@ -234,11 +233,7 @@ class SpecLoop:
             hidden_BD = jnp.where(active_B[:, None], pick(h2).astype(s.hidden_BD.dtype), s.hidden_BD)
 
         # 6. statistics over the sequences that were active this cycle
-        return s.replace(
-            tokens_BS=tokens_BS,
-            length_B=length_B,
-            end_B=end_B,
-            done_B=done_B,
+        return committed.replace(
             target_cache=tcache,
             draft_cache=dcache,
             draft_B=draft_B,
@@ -250,7 +245,7 @@ class SpecLoop:
 
     def _accept_commit(self, cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
         """Steps 3-4 of a cycle: accept a prefix of the drafts against the target's output `out` (ids if greedy, else
-        logits) and commit it. Returns (accepted_B, emitted_BT, active_B, (tokens_BS, end_B, length_B, done_B))."""
+        logits) and commit it. Returns (accepted_B, emitted_BT, active_B, `s` with tokens/end/length/done updated)."""
         J, sampling = cfg.num_steps, cfg.sampling
         B = s.tokens_BS.shape[0]
         n_B = s.length_B
@@ -275,7 +270,12 @@ class SpecLoop:
         end_B = jnp.where(active_B, s.end_B + keep_B, s.end_B)
         length_B = jnp.where(active_B, n_B + accepted_B + 1, n_B)
         done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
-        return accepted_B, emitted_BT, active_B, (tokens_BS, end_B, length_B, done_B)
+        return (
+            accepted_B,
+            emitted_BT,
+            active_B,
+            s.replace(tokens_BS=tokens_BS, end_B=end_B, length_B=length_B, done_B=done_B),
+        )
 
     @staticmethod
     def _count(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:

@@ -69,7 +69,9 @@ def acceptance_from_throughput(tok_s: Sequence[float], cycle_s: Sequence[float])
 PhaseTime = Mapping[int, float] | Callable[[int], float]
 
 
-def _lookup(table: PhaseTime, n: int, name: str) -> float:
+def _lookup(table: float | PhaseTime, n: int, name: str) -> float:
+    if isinstance(table, int | float):  # the same at every token count
+        return float(table)
     if callable(table):
         return float(table(n))
     if n in table:
@@ -115,9 +117,7 @@ class CostModel:
             "draft": self.draft_steps(k) * self.t_draft,
             "verify": _lookup(self.t_verify, k + 1, "t_verify") if k else self.t_decode,
             "extend": _lookup(self.t_extend, k + 1, "t_extend") if k else 0.0,
-            "other": float(self.t_other)
-            if isinstance(self.t_other, int | float)
-            else _lookup(self.t_other, k + 1, "t_other"),
+            "other": _lookup(self.t_other, k + 1, "t_other"),
         }
 
     def cycle_time(self, k: int) -> float:

@@ -10,9 +10,8 @@ cheaply many times (the tuner times the phases after every few cycles of the rea
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,19 +22,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.spec_loop import LoopConfig, LoopState, SpecLoop
-
-
-@dataclasses.dataclass
-class PhaseTimes:
-    """Median seconds per call of each phase; `t_verify` / `t_extend` map a token count to seconds."""
-
-    t_draft: float
-    t_verify: dict[int, float]
-    t_extend: dict[int, float]
-    t_decode: float
-    batch: int
-    cache_len: int
-    context: int
 
 
 def median_seconds(fn: Callable[..., Any], state: tuple, *, warmup: int = 1, reps: int = 5) -> float:
@@ -179,14 +165,10 @@ class PhaseTimer:
         cfg = LoopConfig(J, self.greedy, tuple(self.target.config.stop_token_ids), self.context, self.context)
 
         def body(draft_BJ, out_BT, s):
-            accepted_B, _, active_B, (tokens_BS, end_B, length_B, done_B) = loop._accept_commit(
-                cfg, s, draft_BJ, [], out_BT, self.key
-            )
+            accepted_B, _, active_B, c = loop._accept_commit(cfg, s, draft_BJ, [], out_BT, self.key)
             wrap = lambda x: 1 + (x - 1) % (S - tokens - 2)  # noqa: E731  (stay inside the buffer however long it runs)
             counts = loop._count(J, s, accepted_B, active_B)
-            return (
-                s.replace(tokens_BS=tokens_BS, end_B=wrap(end_B), length_B=wrap(length_B), done_B=done_B, **counts),
-            )
+            return (c.replace(end_B=wrap(c.end_B), length_B=wrap(c.length_B), **counts),)
 
         def build():
             length = min(self.context, S - tokens - 2)
@@ -212,36 +194,3 @@ class PhaseTimer:
             return body, (self._ids(J), self._ids(J + 1)), (state,)
 
         return self._time(("bookkeeping", tokens), build, warmup=warmup, reps=reps)
-
-    def all(self, token_counts: Iterable[int], *, warmup: int = 1, reps: int = 5) -> PhaseTimes:
-        """Every phase; verify and draft-extend at each of `token_counts` (k+1 for the depths k >= 1 of interest)."""
-        counts = sorted(set(int(t) for t in token_counts))
-        t_decode = self.decode(warmup=warmup, reps=reps)
-        if self.drafter is None or not counts:
-            return PhaseTimes(0.0, {}, {}, t_decode, self.batch, self.cache_len, self.context)
-        return PhaseTimes(
-            t_draft=self.draft_step(warmup=warmup, reps=reps),
-            t_verify={t: self.verify(t, warmup=warmup, reps=reps) for t in counts},
-            t_extend={t: self.extend(t, warmup=warmup, reps=reps) for t in counts},
-            t_decode=t_decode,
-            batch=self.batch,
-            cache_len=self.cache_len,
-            context=self.context,
-        )
-
-
-def time_phases(
-    target,
-    drafter,
-    *,
-    batch: int,
-    cache_len: int,
-    token_counts: Iterable[int],
-    context: int | None = None,
-    inner: int = 8,
-    warmup: int = 1,
-    reps: int = 5,
-) -> PhaseTimes:
-    """Median per-call seconds of every phase (see `PhaseTimer`)."""
-    timer = PhaseTimer(target, drafter, batch=batch, cache_len=cache_len, context=context, inner=inner)
-    return timer.all(token_counts, warmup=warmup, reps=reps)

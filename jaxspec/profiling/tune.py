@@ -32,6 +32,7 @@ from jaxspec.profiling.cost_model import (
     CostModel,
     conditional_acceptance,
     explain_gap,
+    pool_counters,
     relative_gap,
 )
 from jaxspec.profiling.timing import PhaseTimer
@@ -210,12 +211,8 @@ def tune(
             f"raise max_new_tokens (now {max_new_tokens}) or lower stream_cycles"
         )
 
-    depth = max(ks)
-    reached, accepted = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
-    for k in ks:
-        for c in chunks[k]:
-            reached[:k] += c.reached
-            accepted[:k] += c.accepted
+    counters = {k: pool_counters((c.reached, c.accepted) for c in chunks[k]) for k in ks}  # per k, its chunks
+    reached, accepted = pool_counters(counters.values())  # position j over every k >= j
     acceptance = conditional_acceptance(reached, accepted)
     drafting = [c for k in ks if k >= 2 for c in chunks[k]]
     if 0 in ks:
@@ -236,10 +233,8 @@ def tune(
         seconds = sum(c.seconds for c in chunks[k])
         cycles = sum(c.cycles for c in chunks[k])
         tokens = sum(c.tokens for c in chunks[k])
-        own_reached = sum((c.reached for c in chunks[k]), np.zeros(k, np.int64))
-        own_accepted = sum((c.accepted for c in chunks[k]), np.zeros(k, np.int64))
         runs[k] = {
-            "acceptance": [float(a) for a in np.nan_to_num(conditional_acceptance(own_reached, own_accepted))],
+            "acceptance": [float(a) for a in np.nan_to_num(conditional_acceptance(*counters[k]))],
             "stats": last_stats[k],
             "chunks": len(chunks[k]),
             "cycle_s": seconds / cycles,
