@@ -138,7 +138,7 @@ def routed_experts(
 ) -> jax.Array:
     """This device's experts' weighted outputs (partial sum over experts, fp32 [M, D]).
 
-    The (token, expert) pairs routed to this device are sorted by expert and cut into tiles (expert, block of
+    The (token, expert) pairs routed to this device are sorted by expert and cut into tiles (expert, window of
     sorted rows) over the hit experts only; each tile reads one expert's weights. Work and weight reads scale with
     the distinct local experts hit (decode: one tile per hit expert), not with E_local.
 
@@ -177,9 +177,10 @@ def _routed(x_MD, idx_MK, w_MK, gate, up, down, *, backend: grouped_int4.Backend
     mine_MK = (local_MK >= 0) & (local_MK < E_local)
     # Pairs (flattened M*K, padded to whole tiles), sorted by local expert; other devices' pairs sort last.
     expert_pairs = jnp.where(mine_MK, local_MK, E_local).reshape(-1)
-    expert_pairs = jnp.pad(expert_pairs, (0, -(M * K) % rows), constant_values=E_local)
+    # Whole windows plus `rows` spare rows, so no window of a hit expert runs past the end (see plan_tiles).
+    expert_pairs = jnp.pad(expert_pairs, (0, rows + -(M * K) % rows), constant_values=E_local)
     order_pairs = jnp.argsort(expert_pairs, stable=True).astype(jnp.int32)
-    tiles = grouped_int4.plan_tiles(expert_pairs[order_pairs], E_local, rows)
+    tiles = grouped_int4.plan_tiles(expert_pairs[order_pairs], E_local, rows, aligned=backend == "tpu")
     x_sorted = jnp.take(x_MD, jnp.minimum(order_pairs // K, M - 1), axis=0)
     if backend is None:
         y_sorted = _experts_xla(x_sorted, tiles, gate, up, down, rows)[0]
@@ -202,12 +203,12 @@ def _experts_xla(
 
     def tile(carry):
         t, y_sorted = carry
-        e, start = tiles.expert[t], tiles.block[t] * rows
+        e, start = tiles.expert[t], tiles.start[t]
         g, u, d = (_expert(w, e) for w in (gate, up, down))
         x_MD = jax.lax.dynamic_slice_in_dim(x_sorted, start, rows)
         h_MF = swiglu(quant.einsum("MD,DF->MF", x_MD, g), quant.einsum("MD,DF->MF", x_MD, u))
         y_MD = quant.einsum("MF,FD->MD", h_MF, d, dtype=jnp.float32)
-        keep_M = grouped_int4._row_mask(tiles.block[t], tiles.lo[t], tiles.hi[t], rows)
+        keep_M = grouped_int4._row_mask(start, tiles.lo[t], tiles.hi[t], rows)
         y_MD = jax.lax.dynamic_slice_in_dim(y_sorted, start, rows) + jnp.where(keep_M, y_MD, 0)
         return t + 1, jax.lax.dynamic_update_slice_in_dim(y_sorted, y_MD, start, 0)
 
