@@ -26,7 +26,7 @@ from jaxspec.config import KimiConfig
 from jaxspec.models import quant, rope
 from jaxspec.models.layers import ones, param, rms_norm
 from jaxspec.models.mla import MLA, AttnImpl
-from jaxspec.models.moe import MLP, MoE
+from jaxspec.models.moe import MLP, LayerSlice, MoE, is_routed_weight
 from sharding.mesh import MODEL
 
 
@@ -109,13 +109,17 @@ class KimiModel(nnx.Module):
         for stack in (self.dense_layers, self.moe_layers):
             if stack is None:
                 continue
-            graphdef, params = nnx.split(stack)
+            # Routed experts stay whole (not scanned over): each layer reads only its hit experts from the stack.
+            graphdef, experts, params = nnx.split(
+                stack, is_routed_weight if stack is self.moe_layers else nnx.Not(...), ...
+            )
             n = jax.tree.leaves(params)[0].shape[0]
 
-            def body(carry, xs, graphdef=graphdef):
+            def body(carry, xs, graphdef=graphdef, experts=experts, first=first):
                 x, cache, captured = carry
                 layer_params, layer_id = xs
-                layer = nnx.merge(graphdef, layer_params)
+                view = lambda v: v.replace(LayerSlice(v.get_value(), layer_id - first))  # noqa: E731
+                layer = nnx.merge(graphdef, jax.tree.map(view, experts, is_leaf=_is_var), layer_params)
                 layer_cache = None if cache is None else cache[layer_id]
                 x, layer_cache = layer(x, cos_sin, pos_BT, layer_cache, impl)
                 if cache is not None:
@@ -130,6 +134,10 @@ class KimiModel(nnx.Module):
             h_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps)
             logits_BTV = quant.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...])
         return logits_BTV, cache_LBSK, captured_XBTD[: len(capture)]
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 def embed_lookup(table_VD: jax.Array, tokens_BT: jax.Array) -> jax.Array:

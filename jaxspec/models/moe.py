@@ -14,7 +14,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jaxspec.config import KimiConfig
 from jaxspec.models import quant
@@ -43,6 +43,24 @@ def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, int, int], axes, dtype, gro
     if group_size is not None:
         p.set_value(quant.quantize(p.get_value(), group_size))
     return p
+
+
+@struct.dataclass
+class LayerSlice:
+    """Layer `layer` of a stacked routed-expert weight [L, E, I, O], left unsliced: experts are read straight from
+    the stack. (Sliced per layer by the layer scan, XLA copies the layer's WHOLE expert stack every step.)"""
+
+    stack: quant.Weight
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+
+def is_routed_weight(path: tuple, _value=None) -> bool:
+    """nnx filter: the routed-expert weights of a MoE stack (kept whole by the layer scan, see LayerSlice)."""
+    return len(path) >= 2 and path[-2] == "mlp" and path[-1] in ("gate", "up", "down")
 
 
 class MoE(nnx.Module):
@@ -147,7 +165,7 @@ def routed_experts(
     lowering for TPU/CUDA and xla otherwise (chosen per lowering platform), xla for float experts.
     """
     args = (x_MD, idx_MK, w_MK, gate, up, down)
-    int4 = isinstance(gate, quant.Int4Array)
+    int4 = isinstance(gate.stack if isinstance(gate, LayerSlice) else gate, quant.Int4Array)
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"routed_experts: impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
     if impl == "pallas" and not int4:
@@ -185,10 +203,14 @@ def _routed(x_MD, idx_MK, w_MK, gate, up, down, *, backend: grouped_int4.Backend
     if backend is None:
         y_sorted = _experts_xla(x_sorted, tiles, gate, up, down, rows)[0]
     else:
-        mm = functools.partial(grouped_int4.grouped_matmul, tiles=tiles, rows=rows, backend=backend)
-        mm = functools.partial(mm, interpret=interpret)
-        h_sorted = swiglu(mm(x_sorted, gate, out_dtype=x_MD.dtype), mm(x_sorted, up, out_dtype=x_MD.dtype))
-        y_sorted = mm(h_sorted, down, out_dtype=jnp.float32)
+
+        def mm(x, w, out_dtype):
+            stack, layer = (w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None)
+            kw = dict(rows=rows, backend=backend, layer=layer, interpret=interpret, out_dtype=out_dtype)
+            return grouped_int4.grouped_matmul(x, stack, tiles, **kw)
+
+        h_sorted = swiglu(mm(x_sorted, gate, x_MD.dtype), mm(x_sorted, up, x_MD.dtype))
+        y_sorted = mm(h_sorted, down, jnp.float32)
     # Back to (token, k) order. Rows of other devices' pairs were never computed and may hold anything: select.
     inv_pairs = jnp.zeros_like(order_pairs).at[order_pairs].set(jnp.arange(order_pairs.shape[0], dtype=jnp.int32))
     y_MKD = jnp.take(y_sorted, inv_pairs[: M * K], axis=0).reshape(M, K, -1)
@@ -219,7 +241,13 @@ def _experts_xla(
     return y_sorted, t
 
 
-def _expert(w: quant.Weight, e: jax.Array) -> quant.Weight:
+def _expert(w: quant.Weight | LayerSlice, e: jax.Array) -> quant.Weight:
     """One expert's weight [I, O] (still packed if INT4), by a dynamic index: reads only that expert."""
-    take = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)  # noqa: E731
+    lead = (w.layer, e) if isinstance(w, LayerSlice) else (e,)
+    w = w.stack if isinstance(w, LayerSlice) else w
+
+    def take(a):
+        start = (*lead, *(jnp.zeros((), jnp.int32),) * 2)
+        return jax.lax.dynamic_slice(a, start, (*(1,) * len(lead), *a.shape[-2:])).reshape(a.shape[-2:])
+
     return quant.Int4Array(take(w.packed), take(w.scale), w.group_size) if isinstance(w, quant.Int4Array) else take(w)

@@ -100,7 +100,9 @@ def _row_mask(start, lo, hi, rows: int) -> jax.Array:
     return (r >= lo) & (r < hi)
 
 
-def _tpu_kernel(e_ref, s_ref_start, lo_ref, hi_ref, num_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, rows, group_size):
+def _tpu_kernel(
+    e_ref, s_ref_start, lo_ref, hi_ref, num_ref, layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, rows, group_size
+):
     t = pl.program_id(1)
 
     @pl.when(t < num_ref[0])
@@ -111,15 +113,18 @@ def _tpu_kernel(e_ref, s_ref_start, lo_ref, hi_ref, num_ref, xe_ref, xo_ref, p_r
         o_ref[...] = jnp.where(keep, acc.astype(o_ref.dtype), o_ref[...])
 
 
-def _triton_kernel(e_ref, start_ref, lo_ref, hi_ref, num_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, rows, cols, g):
+def _triton_kernel(
+    e_ref, start_ref, lo_ref, hi_ref, num_ref, layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, rows, cols, g
+):
     j, t = pl.program_id(0), pl.program_id(1)
 
     @pl.when(t < num_ref[0])
     def _():
         e, start = e_ref[t], start_ref[t]
         r, c = pl.ds(start, rows), pl.ds(j * cols, cols)
-        load = lambda k, ks: (xe_ref[r, k], xo_ref[r, k], p_ref[e, k, c], s_ref[e, ks, c])  # noqa: E731
-        acc = _tile_dot(load, p_ref.shape[1], g)
+        i = layer_ref[0]
+        load = lambda k, ks: (xe_ref[r, k], xo_ref[r, k], p_ref[i, e, k, c], s_ref[i, e, ks, c])  # noqa: E731
+        acc = _tile_dot(load, p_ref.shape[2], g)
         keep = _row_mask(start, lo_ref[t], hi_ref[t], rows)
         pltriton.store(o_ref.at[r, c], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(keep, acc.shape))
 
@@ -132,28 +137,33 @@ def grouped_matmul(
     rows: int,
     out_dtype: jnp.dtype,
     backend: Backend,
+    layer: jax.Array | None = None,
     cols: int = 256,
     interpret: bool = False,
 ) -> jax.Array:
     """out[r] = x[r] @ dequant(w[expert of r]) for the rows r the tiles cover ([rows of x, out] of out_dtype; other
-    rows are undefined). x: [sorted rows (a multiple of `rows`), in]; w: INT4 [experts, in, out]; the tiles must be
-    aligned for the TPU lowering."""
+    rows are undefined). x: [sorted rows (a multiple of `rows`), in]; w: INT4 [experts, in, out], or a stack
+    [layers, experts, in, out] read at `layer` (the stack is never sliced outside the kernel, so no layer copy);
+    the tiles must be aligned for the TPU lowering."""
+    if layer is None:
+        w, layer = w[None], jnp.zeros((), jnp.int32)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     n_rows, n_in = x.shape
-    n_out = w.shape[2]
+    n_out = w.shape[3]
     cols = min(cols, n_out)
-    if n_rows % rows or n_out % cols or w.shape[1] != n_in:
+    if n_rows % rows or n_out % cols or w.shape[2] != n_in:
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape}, rows {rows}, cols {cols} do not tile")
     x_even, x_odd = x[:, 0::2], x[:, 1::2]
     grid = (n_out // cols, tiles.expert.shape[0])
     # Inside shard_map the result varies over every mesh axis some operand varies over (typed via a probe op).
-    probe = x[0, 0].astype(jnp.float32) + w.packed[0, 0, 0] + w.scale[0, 0, 0] + tiles.expert[0]
+    probe = x[0, 0].astype(jnp.float32) + w.packed[0, 0, 0, 0] + w.scale[0, 0, 0, 0] + tiles.expert[0] + layer[0]
     out = jax.ShapeDtypeStruct((n_rows, n_out), out_dtype, manual_axis_type=jax.typeof(probe).mat)
     if backend == "tpu":
         kernel = functools.partial(_tpu_kernel, rows=rows, group_size=w.group_size)
         x_spec = pl.BlockSpec((rows, n_in // 2), lambda j, t, e, s, *_: (s[t] // rows, 0))
-        w_spec = lambda n: pl.BlockSpec((None, n, cols), lambda j, t, e, *_: (e[t], 0, j))  # noqa: E731
+        w_spec = lambda n: pl.BlockSpec((None, None, n, cols), lambda j, t, e, *a: (a[-1][0], e[t], 0, j))  # noqa: E731
         spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=grid,
             in_specs=[x_spec, x_spec, w_spec(n_in // 2), w_spec(n_in // w.group_size)],
             out_specs=pl.BlockSpec((rows, cols), lambda j, t, e, s, *_: (s[t] // rows, j)),
@@ -166,4 +176,4 @@ def grouped_matmul(
         call = pl.pallas_call(kernel, out, grid=grid, compiler_params=params, interpret=interpret)
     else:
         raise ValueError(f"grouped_matmul: backend must be 'tpu' or 'triton', got {backend!r}")
-    return call(*tiles, x_even, x_odd, w.packed, w.scale)
+    return call(*tiles, layer, x_even, x_odd, w.packed, w.scale)
