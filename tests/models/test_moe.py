@@ -11,10 +11,11 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspec import load_target
+from jaxspec import KimiConfig, Target, load_target
 from jaxspec.models import moe
 from jaxspec.models.kernels import grouped_int4
 from jaxspec.models.quant import Int4Array, quantize
+from sharding import inspect
 from sharding.mesh import MODEL, make_mesh, single_device_mesh
 from tests.reference.hf_tiny import save_hf_model
 
@@ -147,3 +148,23 @@ def test_target_matches_hf_for_any_experts_per_device(tmp_path, n_experts, mesh)
         logits, cache, _ = target.forward(tokens[:, start : start + n], pos, cache)
         out.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(out, axis=1), ref, atol=1e-4 * ref.std())
+
+
+def test_compiled_decode_step_never_copies_or_dequantises_a_whole_expert_stack():
+    """The layer scan hands the routed-expert stacks to the expert loop whole: nothing outside parameter/tuple
+    plumbing produces a layer's (or the model's) packed expert stack or its dequantised form; the loop reads one
+    expert at a time. (Today's scan-sliced form copied each layer's whole stack every step.)"""
+    cfg = KimiConfig.preset("tiny").replace(num_hidden_layers=3, n_routed_experts=64)  # 8 experts per device
+    compiled = Target.abstract(cfg, mesh=make_mesh("1x8"), dtype=jnp.float32).compile_step(1, 1, cache_len=16)
+    E_local, D, F = 8, cfg.hidden_size, cfg.moe_intermediate_size
+    stacks = {(E_local, D // 2, F), (E_local, F // 2, D), (E_local, D, F), (E_local, F, D)}
+    plumbing = {"parameter", "get-tuple-element", "tuple", "while", "conditional", "call"}
+    offenders, expert_reads = [], 0
+    for comp in inspect.parse_hlo(compiled).computations.values():
+        for instr in comp.instructions.values():
+            dims = [tuple(d) for _, d in inspect.parse_shape(instr.shape)]
+            if instr.opcode not in plumbing and any(d[-3:] in stacks for d in dims if len(d) >= 3):
+                offenders.append(f"{instr.opcode} {instr.shape}")
+            expert_reads += instr.opcode == "fusion" and any(d in {(D, F), (F, D)} for d in dims)
+    assert offenders == []
+    assert expert_reads >= 3  # gate, up and down: one expert each, inside the loop

@@ -58,7 +58,7 @@ def plan_tiles(expert_sorted: jax.Array, n_experts: int, rows: int, *, aligned: 
     # Each hit expert needs ceil(rows it has / rows) tiles, plus one where a window boundary cuts it.
     max_tiles = n_rows // rows + min(n_experts, n_rows)
     t = jnp.minimum(jnp.arange(max_tiles, dtype=jnp.int32), jnp.maximum(num - 1, 0))
-    e = jnp.minimum(jnp.searchsorted(cum_E, t, side="right"), n_experts - 1).astype(jnp.int32)
+    e = jnp.minimum(jnp.searchsorted(cum_E, t, side="right", method="compare_all"), n_experts - 1).astype(jnp.int32)
     start = jnp.clip(first_E[e] + (t - (cum_E[e] - n_E[e])) * rows, 0, n_rows - rows)
     return Tiles(e, start.astype(jnp.int32), start_E[e], end_E[e], num.reshape(1))
 
