@@ -17,6 +17,10 @@ from jaxspec.models.quant import Int4Array, quantize
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
+def SLOW(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def sorted_experts(rng, n_pairs: int, n_experts: int, foreign: float, rows: int) -> np.ndarray:
     """Expert ids of n_pairs rows, some foreign (id n_experts), sorted, padded with foreign ids to whole windows plus
     one spare window (as routed_experts does)."""
@@ -26,7 +30,10 @@ def sorted_experts(rng, n_pairs: int, n_experts: int, foreign: float, rows: int)
 
 
 @pytest.mark.parametrize("aligned", [True, False])
-@pytest.mark.parametrize("n_pairs, n_experts, rows", [(8, 1, 8), (8, 48, 8), (32, 12, 8), (300, 20, 16), (5, 3, 16)])
+@pytest.mark.parametrize(
+    "n_pairs, n_experts, rows",
+    [(8, 48, 8), (300, 20, 16), (5, 3, 16), SLOW(8, 1, 8), SLOW(32, 12, 8)],
+)
 def test_plan_covers_every_local_row_once_with_hit_experts_only(n_pairs, n_experts, rows, aligned):
     rng = np.random.default_rng(n_pairs + n_experts)
     expert = sorted_experts(rng, n_pairs, n_experts, 0.3, rows)
@@ -60,8 +67,11 @@ def reference(x, w: Int4Array, expert) -> np.ndarray:
     return np.stack([x[r] @ dense[e] if e < len(dense) else np.zeros(dense.shape[-1]) for r, e in enumerate(expert)])
 
 
-@pytest.mark.parametrize("backend", ["tpu", "triton"])
-@pytest.mark.parametrize("n_experts, n_pairs", [(1, 16), (12, 40), (20, 90)])
+@pytest.mark.parametrize(
+    "backend, n_experts, n_pairs",
+    [("tpu", 12, 40), ("triton", 20, 90), SLOW("tpu", 1, 16), SLOW("triton", 1, 16), SLOW("tpu", 20, 90)]
+    + [SLOW("triton", 12, 40)],
+)
 def test_interpret_equals_dense_reference(backend, n_experts, n_pairs):
     rng = np.random.default_rng(n_experts)
     rows, n_in, n_out, group = 16, 64, 256, 32
@@ -98,12 +108,12 @@ def export_text(backend: str, platform: str, n_in: int, n_out: int, rows: int) -
     return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=allow)(x, w, expert).mlir_module()
 
 
-@pytest.mark.parametrize("n_in, n_out", [(7168, 2048), (2048, 7168)])  # Kimi's gate/up and down shapes
+@pytest.mark.parametrize("n_in, n_out", [(7168, 2048), SLOW(2048, 7168)])  # Kimi's gate/up and down shapes
 def test_tpu_mosaic_lowering_at_kimi_widths(n_in, n_out):
     assert "tpu_custom_call" in export_text("tpu", "tpu", n_in, n_out, rows=16)
 
 
-@pytest.mark.parametrize("n_in, n_out", [(7168, 2048), (2048, 7168)])
+@pytest.mark.parametrize("n_in, n_out", [(7168, 2048), SLOW(2048, 7168)])
 def test_cuda_triton_lowering_at_kimi_widths(n_in, n_out):
     assert TRITON_CALL in export_text("triton", "cuda", n_in, n_out, rows=16)
 

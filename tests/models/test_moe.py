@@ -22,6 +22,10 @@ from tests.reference.hf_tiny import save_hf_model
 D, F, K = 64, 32, 4
 
 
+def SLOW(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def experts(rng, n: int, int4: bool):
     ws = [rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((n, D, F), (n, D, F), (n, F, D))]
     return tuple(quantize(w, 32) if int4 else jnp.asarray(w) for w in ws)
@@ -76,8 +80,10 @@ CASES = [  # (experts, mesh, tokens): experts per device 12, 20, 1 and 20
 ]
 
 
-@pytest.mark.parametrize("n_experts, mesh, tokens", CASES)
-@pytest.mark.parametrize("int4", [True, False])
+@pytest.mark.parametrize(
+    "n_experts, mesh, tokens, int4",
+    [(*c, True) for c in CASES] + [(12, "1x1", 3, False)] + [SLOW(*c, False) for c in CASES[1:]],
+)
 def test_xla_path_equals_all_experts_reference(n_experts, mesh, tokens, int4):
     rng = np.random.default_rng(n_experts + tokens)
     x = rng.standard_normal((tokens, D)).astype(np.float32)
@@ -88,8 +94,10 @@ def test_xla_path_equals_all_experts_reference(n_experts, mesh, tokens, int4):
     np.testing.assert_allclose(out, all_experts_reference(x, idx, w, *weights), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["tpu", "triton"])
-@pytest.mark.parametrize("n_experts, mesh, tokens", [(12, "1x1", 3), (160, "1x8", 6)])
+@pytest.mark.parametrize(
+    "n_experts, mesh, tokens, backend",
+    [(160, "1x8", 6, "tpu"), (12, "1x1", 3, "triton"), SLOW(12, "1x1", 3, "tpu"), SLOW(160, "1x8", 6, "triton")],
+)
 def test_pallas_interpret_equals_xla_path(n_experts, mesh, tokens, backend):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((tokens, D)).astype(np.float32)
@@ -103,7 +111,7 @@ def test_pallas_interpret_equals_xla_path(n_experts, mesh, tokens, backend):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 4, SLOW(2), SLOW(8)])
 def test_xla_loop_runs_one_iteration_per_hit_expert(tokens):
     """Decode/verify routing on 48 local experts: the loop slices and dequantises exactly the distinct hit experts."""
     rng = np.random.default_rng(tokens)
@@ -133,7 +141,7 @@ def test_forcing_pallas_without_a_lowering_is_an_error():
         sharded("1x1", impl="cuda")(*args, *experts(rng, 4, True))
 
 
-@pytest.mark.parametrize("n_experts, mesh", [(12, "1x1"), (20, "1x1"), (8, "1x8"), (160, "1x8")])
+@pytest.mark.parametrize("n_experts, mesh", [(12, "1x1"), (160, "1x8"), SLOW(20, "1x1"), SLOW(8, "1x8")])
 def test_target_matches_hf_for_any_experts_per_device(tmp_path, n_experts, mesh):
     """The whole target (prefill, then cached decode and verify steps) against HF DeepseekV3 in fp32."""
     top_k = min(4, n_experts)
