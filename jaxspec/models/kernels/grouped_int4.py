@@ -27,8 +27,10 @@ from jax.experimental.pallas import triton as pltriton
 from jaxspec.models.quant import Int4Array
 
 Backend = Literal["tpu", "triton"]
-# Packed input rows dequantised per step inside a tile (x 2 values x `cols` outputs): bounds the kernel's temporaries.
-CHUNK = 512
+# Packed input rows dequantised per step inside a tile (x 2 values x `cols` outputs), and output columns per tile:
+# bound the kernel's temporaries. Triton's dot operands live in shared memory (228 KB on an H200), TPU's in VMEM.
+CHUNK = {"tpu": 512, "triton": 128}
+COLS = {"tpu": 256, "triton": 128}
 
 
 class Tiles(NamedTuple):
@@ -82,10 +84,10 @@ def _dequant_dot(x_even, x_odd, packed, scale, group_size: int) -> jax.Array:
     return dot(x_even, deq((p & 0xF) - 8)) + dot(x_odd, deq((p >> 4) - 8))
 
 
-def _tile_dot(load, half: int, group_size: int) -> jax.Array:
+def _tile_dot(load, half: int, group_size: int, backend: Backend) -> jax.Array:
     """Sum over chunks of packed input rows (bounded temporaries; power-of-two blocks for Triton) of
     _dequant_dot(*load(packed rows, scale rows))."""
-    chunk = math.gcd(half, CHUNK)
+    chunk = math.gcd(half, CHUNK[backend])
     if chunk % (group_size // 2):
         raise ValueError(f"grouped_matmul: input dim {2 * half} does not split into whole groups of {group_size}")
     acc = None
@@ -108,7 +110,7 @@ def _tpu_kernel(
     @pl.when(t < num_ref[0])
     def _():
         load = lambda k, ks: (xe_ref[:, k], xo_ref[:, k], p_ref[k, :], s_ref[ks, :])  # noqa: E731
-        acc = _tile_dot(load, p_ref.shape[0], group_size)
+        acc = _tile_dot(load, p_ref.shape[0], group_size, "tpu")
         keep = _row_mask(s_ref_start[t], lo_ref[t], hi_ref[t], rows)
         o_ref[...] = jnp.where(keep, acc.astype(o_ref.dtype), o_ref[...])
 
@@ -124,7 +126,7 @@ def _triton_kernel(
         r, c = pl.ds(start, rows), pl.ds(j * cols, cols)
         i = layer_ref[0]
         load = lambda k, ks: (xe_ref[r, k], xo_ref[r, k], p_ref[i, e, k, c], s_ref[i, e, ks, c])  # noqa: E731
-        acc = _tile_dot(load, p_ref.shape[2], g)
+        acc = _tile_dot(load, p_ref.shape[2], g, "triton")
         keep = _row_mask(start, lo_ref[t], hi_ref[t], rows)
         pltriton.store(o_ref.at[r, c], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(keep, acc.shape))
 
@@ -138,7 +140,7 @@ def grouped_matmul(
     out_dtype: jnp.dtype,
     backend: Backend,
     layer: jax.Array | None = None,
-    cols: int = 256,
+    cols: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """out[r] = x[r] @ dequant(w[expert of r]) for the rows r the tiles cover ([rows of x, out] of out_dtype; other
@@ -150,7 +152,9 @@ def grouped_matmul(
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     n_rows, n_in = x.shape
     n_out = w.shape[3]
-    cols = min(cols, n_out)
+    if backend not in ("tpu", "triton"):
+        raise ValueError(f"grouped_matmul: backend must be 'tpu' or 'triton', got {backend!r}")
+    cols = min(cols or COLS[backend], n_out)
     if n_rows % rows or n_out % cols or w.shape[2] != n_in:
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape}, rows {rows}, cols {cols} do not tile")
     x_even, x_odd = x[:, 0::2], x[:, 1::2]
@@ -170,10 +174,8 @@ def grouped_matmul(
         )
         params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
         call = pl.pallas_call(kernel, out, grid_spec=spec, compiler_params=params, interpret=interpret)
-    elif backend == "triton":
+    else:
         kernel = functools.partial(_triton_kernel, rows=rows, cols=cols, g=w.group_size)
         params = pltriton.CompilerParams(num_warps=4, num_stages=2)
         call = pl.pallas_call(kernel, out, grid=grid, compiler_params=params, interpret=interpret)
-    else:
-        raise ValueError(f"grouped_matmul: backend must be 'tpu' or 'triton', got {backend!r}")
     return call(*tiles, layer, x_even, x_odd, w.packed, w.scale)
