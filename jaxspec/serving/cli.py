@@ -25,6 +25,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-context", type=int, default=1024, help="positions per slot: prompt + max_tokens + k + 2 (%(default)s)"
     )
+    p.add_argument(
+        "--batch-buckets",
+        default="",
+        help="comma-separated segment batch sizes to compile (default: powers of two up to --max-batch)",
+    )
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call (%(default)s)")
     p.add_argument("--segment-cycles", type=int, default=4, help="cycles between admissions (%(default)s)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (%(default)s)")
@@ -102,8 +107,9 @@ def cmd_serve(args) -> int:
             prefill_chunk=args.prefill_chunk,
             segment_cycles=args.segment_cycles,
             max_queue=args.max_queue,
+            batch_buckets=tuple(int(b) for b in args.batch_buckets.split(",") if b.strip()),
         )
-    except ValueError as e:
+    except ValueError as e:  # also a --batch-buckets entry that is not an integer
         raise SystemExit(f"jaxspec serve: {e}") from None
     dtype = jnp.dtype(args.dtype or "bfloat16")
     log.info("loading %s (%s)", args.model, dtype)

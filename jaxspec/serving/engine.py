@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import secrets
 import threading
@@ -52,6 +53,15 @@ class EngineConfig:
     prefill_chunk: int = 64  # C: prompt tokens per prefill call
     segment_cycles: int = 4  # cycles per segment (admission and streaming happen between segments)
     max_queue: int = 64  # requests waiting for a slot before new ones get QueueFull
+    # Compiled segment batches: a segment runs only rows [0, b) for the smallest b covering every generating row
+    # (free slots are taken lowest first), so one request does not pay for B rows. () = powers of two up to B.
+    batch_buckets: tuple[int, ...] = ()
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        if self.batch_buckets:
+            return tuple(sorted(set(self.batch_buckets) | {self.max_batch}))
+        return tuple(sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)}))
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk", "segment_cycles"):
@@ -62,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_steps: expected an integer in [0, 16], got {self.num_steps!r}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue: expected an integer >= 0, got {self.max_queue!r}")
+        if any(not isinstance(b, int) or not 1 <= b <= self.max_batch for b in self.batch_buckets):
+            raise ValueError(
+                f"EngineConfig.batch_buckets: expected sizes in [1, {self.max_batch}], got {self.batch_buckets}"
+            )
         if self.max_context % self.prefill_chunk:
             raise ValueError(
                 f"EngineConfig.max_context ({self.max_context}) must be a multiple of prefill_chunk "
@@ -205,9 +219,7 @@ class Engine:
         for i in prefilling:
             self._prefill_chunk(i)
         if running:
-            self.state = self.loop.run(
-                self.loop_cfg, *self._params(), self.state, jnp.int32(self.config.segment_cycles)
-            )
+            self._segment(max(running) + 1)
         self._collect()
         return True
 
@@ -230,6 +242,10 @@ class Engine:
         self.submit(first)
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
+        for b in cfg.buckets:
+            if b > 1:
+                self._segment(b)  # rows past the first are free: the segment only compiles and returns
+                on_progress(f"  segment over {b} rows compiled ({time.perf_counter() - start:.1f}s)")
         second = Request([1] * 3, 4)
         self.submit(second)
         self.cancel(second)
@@ -306,6 +322,16 @@ class Engine:
             request.slot = slot
             self.slots[slot] = _Slot(request, 0)
         self._gauges()
+
+    def _segment(self, rows: int) -> None:
+        """`segment_cycles` cycles over the rows [0, b) of the smallest bucket b >= rows."""
+        b = next(b for b in self.config.buckets if b >= rows)
+        cycles = jnp.int32(self.config.segment_cycles)
+        if b == self.config.max_batch:
+            self.state = self.loop.run(self.loop_cfg, *self._params(), self.state, cycles)
+            return
+        part = self.loop.run(self.loop_cfg, *self._params(), _take_rows(self.state, b), cycles)
+        self.state = _put_rows(self.state, part)
 
     def _prefill_chunk(self, slot: int) -> None:
         s = self.slots[slot]
@@ -407,4 +433,43 @@ def _admit(state: LoopState, slot, tokens_S, prompt_len, max_new, temperature, t
             set_(rows.temperature_B, temperature), set_(rows.top_k_B, top_k), set_(rows.top_p_B, top_p)
         ),
         stop_BK=set_(state.stop_BK, stop_K),
+    )
+
+
+_NOT_PER_ROW = ("cycles", "reached_J", "accepted_J", "accept_hist_A")
+
+
+def _row_axis(name: str) -> int | None:
+    """The batch axis of a LoopState field (None: not per row)."""
+    return None if name in _NOT_PER_ROW else 1 if name == "target_cache" else 0
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _take_rows(state: LoopState, b: int) -> LoopState:
+    """The state of rows [0, b) (counters included) for a segment over a smaller batch."""
+
+    def take(name, x):
+        a = _row_axis(name)
+        return x if a is None else jax.lax.slice_in_dim(x, 0, b, axis=a)
+
+    fields = dataclasses.fields(state)
+    return state.replace(
+        **{f.name: jax.tree.map(functools.partial(take, f.name), getattr(state, f.name)) for f in fields}
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(state: LoopState, part: LoopState) -> LoopState:
+    """Write a segment's rows [0, b) and counters back into the full state."""
+
+    def put(name, x, y):
+        a = _row_axis(name)
+        return y if a is None else jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=a)
+
+    fields = dataclasses.fields(state)
+    return state.replace(
+        **{
+            f.name: jax.tree.map(functools.partial(put, f.name), getattr(state, f.name), getattr(part, f.name))
+            for f in fields
+        }
     )
