@@ -275,6 +275,8 @@ class SpecLoop:
             q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
             hidden_BD = jnp.where(active_B[:, None], pick(h2).astype(s.hidden_BD.dtype), s.hidden_BD)
 
+        if key.ndim:  # per-row keys advance only on the row's own cycles: its draws never depend on the batch
+            key = jnp.where(active_B, key, s.key)
         # 6. statistics over the sequences that were active this cycle
         return committed.replace(
             target_cache=tcache,
