@@ -203,9 +203,10 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        for s in self.slots:
-            if s is not None:
-                self._done(s.request, "cancelled")
+        with self._lock:
+            queued, self._queue = list(self._queue), collections.deque()
+        for r in [s.request for s in self.slots if s is not None] + queued:
+            self._done(r, "cancelled")
 
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
@@ -246,8 +247,10 @@ class Engine:
             if b > 1:
                 self._segment(b)  # rows past the first are free: the segment only compiles and returns
                 on_progress(f"  segment over {b} rows compiled ({time.perf_counter() - start:.1f}s)")
-        second = Request([1] * 3, 4)
+        self.run_until_idle()
+        second = Request([1] * 3, 8)
         self.submit(second)
+        self.step()
         self.cancel(second)
         self.run_until_idle()
         on_progress(f"  cancel program compiled; warm-up done in {time.perf_counter() - start:.1f}s")
@@ -327,10 +330,11 @@ class Engine:
         """`segment_cycles` cycles over the rows [0, b) of the smallest bucket b >= rows."""
         b = next(b for b in self.config.buckets if b >= rows)
         cycles = jnp.int32(self.config.segment_cycles)
+        cfg = self.loop_cfg
         if b == self.config.max_batch:
-            self.state = self.loop.run(self.loop_cfg, *self._params(), self.state, cycles)
+            self.state = self.loop.run(cfg, *self._params(), self.state, cycles)
             return
-        part = self.loop.run(self.loop_cfg, *self._params(), _take_rows(self.state, b), cycles)
+        part = self.loop.run(cfg, *self._params(), _take_rows(self.state, b), cycles)
         self.state = _put_rows(self.state, part)
 
     def _prefill_chunk(self, slot: int) -> None:
@@ -358,8 +362,8 @@ class Engine:
             if done_B[i]:
                 self.slots[i] = None
                 self._done(r, "stop" if r.tokens and r.tokens[-1] in self.stop_ids + r.stop_ids else "length", new)
-            elif new and r.on_update is not None:
-                r.on_update(r, new)
+            elif new:
+                self._notify(r, new)
         self._read_counters()
         self._gauges()
 
@@ -367,8 +371,16 @@ class Engine:
         request.finish_reason, request.slot = reason, None
         if self.metrics is not None:
             self.metrics.requests.labels(reason).inc()
-        if request.on_update is not None:
-            request.on_update(request, new or [])
+        self._notify(request, new or [])
+
+    @staticmethod
+    def _notify(request: Request, new: list[int]) -> None:
+        if request.on_update is None:
+            return
+        try:
+            request.on_update(request, new)
+        except Exception:  # a consumer that went away must not stop the engine (or the other requests)
+            log.exception("on_update of a request failed; ignoring")
 
     def _record_latency(self, r: Request, n: int, now: float) -> None:
         if self.metrics is not None:
