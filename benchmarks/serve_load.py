@@ -22,6 +22,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
 
     prompts = bundled.prompts()
     levels = [int(c) for c in args.concurrency.split(",")]
-    logs = {mode: args.out.with_name(f"{args.out.name}_{mode}.log") for mode in ("speculative", "plain")}
+    logs = {mode: Path(tempfile.gettempdir()) / f"serve_load_{mode}.log" for mode in ("speculative", "plain")}
     servers = {
         "speculative": start_server(args.num_steps, args, logs["speculative"]),
         "plain": start_server("0", args, logs["plain"]),
