@@ -86,12 +86,11 @@ def test_bounded_queue_and_bad_requests(engine, prompts):
     assert all(r.finished for r in waiting)
 
 
-def test_warp_rows_equals_warp_per_row(seed=0):
+def test_warp_rows_equals_warp_per_row():
     """Each row of `warp_rows` is `warp` with that row's settings (greedy, temperature, top-k, top-p, tiny T)."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     settings = [
         Sampling(0.0),
-        Sampling(1.0),
         Sampling(0.7, top_k=5),
         Sampling(1.3, top_p=0.8),
         Sampling(0.5, top_k=20, top_p=0.6),
