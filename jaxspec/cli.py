@@ -4,6 +4,7 @@
     jaxspec predict   load a target and print its next-token predictions for a prompt of token ids
     jaxspec tune      sweep the draft depth, time each phase, model the trade-off and recommend k
     jaxspec train-drafter  train an EAGLE-3 drafter on the target's own responses (exports SGLang format)
+    jaxspec serve     OpenAI-compatible HTTP server (continuous batching, speculative decoding, /metrics)
     jaxspec inspect   compile one decode/verify step (abstract weights: nothing allocated) and report its
                       collectives and per-device memory
 
@@ -124,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_arguments(train)
 
+    from jaxspec.serving.cli import add_serve_arguments
+
+    add_serve_arguments(
+        sub.add_parser(
+            "serve",
+            help="OpenAI-compatible HTTP server: continuous batching with speculative decoding",
+            description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
+        )
+    )
+
     ins = sub.add_parser(
         "inspect",
         help="collectives and per-device memory of a compiled decode/verify step",
@@ -154,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxspec.profiling.tune import cmd_tune
 
         return cmd_tune(args)
+    if args.command == "serve":
+        from jaxspec.serving.cli import cmd_serve
+
+        return cmd_serve(args)
     if args.command == "train-drafter":
         from jaxspec.training.cli import cmd_train_drafter
 

@@ -11,6 +11,8 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +77,68 @@ def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, warp(logits, sampling), axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class RowSampling:
+    """Per-row sampling settings as arrays [B], so requests with different settings share one compiled program.
+
+    Row b is greedy where temperature_B[b] == 0; top_k_B 0 and top_p_B 1 turn those filters off (as in `Sampling`).
+    `greedy` is False: the program as a whole samples (greedy rows become point masses inside `warp_rows`).
+    """
+
+    temperature_B: jax.Array  # float32
+    top_k_B: jax.Array  # int32
+    top_p_B: jax.Array  # float32
+    greedy = False  # not a field: the static "whole batch is greedy" flag `Sampling` has
+
+    @classmethod
+    def of(cls, settings: list[Sampling]) -> RowSampling:
+        """Host arrays for a list of per-row `Sampling`s (validated there)."""
+        return cls(
+            np.asarray([s.temperature for s in settings], np.float32),
+            np.asarray([s.top_k for s in settings], np.int32),
+            np.asarray([s.top_p for s in settings], np.float32),
+        )
+
+
+def warp_rows(logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """`warp` with each row's own settings: log-probabilities [B, ..., V] for logits [B, ..., V].
+
+    Row b equals `warp(logits[b], Sampling(temperature_B[b], top_k_B[b], top_p_B[b]))` up to float rounding. The max
+    is subtracted before dividing by the temperature, so tiny temperatures give a point mass, never NaN. The sort that
+    top-k / top-p need only runs when some row uses them.
+    """
+    logits = logits.astype(jnp.float32)
+    expand = lambda x: x.reshape(x.shape + (1,) * (logits.ndim - 1))  # noqa: E731  [B] -> [B, 1, ..., 1]
+    temp, top_k, top_p = expand(rows.temperature_B), expand(rows.top_k_B), expand(rows.top_p_B)
+    greedy = temp == 0
+    scaled = (logits - logits.max(-1, keepdims=True)) / jnp.where(greedy, 1.0, temp)
+    filtered = (rows.top_k_B > 0) | (rows.top_p_B < 1)
+    scaled = jax.lax.cond(
+        jnp.any(filtered & (rows.temperature_B > 0)),
+        lambda x: jnp.where(_keep_rows(x, top_k, top_p), x, -jnp.inf),
+        lambda x: x,
+        scaled,
+    )
+    argmax = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=bool)
+    return jnp.where(greedy, jnp.where(argmax, 0.0, -jnp.inf), jax.nn.log_softmax(scaled, axis=-1))
+
+
+def _keep_rows(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Boolean mask [..., V] of the tokens each row's top-k and top-p keep (the order of `_keep`)."""
+    vocab = scaled.shape[-1]
+    # A stable descending sort ranks ties towards the lower token id, as lax.top_k does in `_keep`.
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    keep = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1)
+    return jnp.put_along_axis(jnp.zeros(scaled.shape, bool), order, keep, axis=-1, inplace=False)
+
+
+def sample_rows(key_B: jax.Array, logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """Token ids [B, ...] drawn from warp_rows(logits), row b with its own key key_B[b] (argmax where greedy)."""
+    return jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(key_B, warp_rows(logits, rows)).astype(
+        jnp.int32
+    )

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
-from jaxspec.decoding.sampling import Sampling, sample, warp
+from jaxspec.decoding.sampling import RowSampling, Sampling, sample, sample_rows, warp, warp_rows
 from jaxspec.models.eagle3 import concat_captured
 
 
@@ -38,7 +38,7 @@ class LoopConfig:
     """Static settings of one compiled loop (each distinct value compiles its own program)."""
 
     num_steps: int  # J: draft tokens per cycle; 0 = plain decoding
-    sampling: Sampling
+    sampling: Sampling | None  # None: per-row settings from LoopState.row_sampling (the serving engine)
     stop_ids: tuple[int, ...]
     prompt_bucket: int  # padded prompt length (a multiple of prefill_chunk)
     prefill_chunk: int
@@ -64,6 +64,10 @@ class LoopState:
     reached_J: jax.Array  # int32 [J]: how often draft position j+1 was verified (all before it accepted)
     accepted_J: jax.Array  # int32 [J]: how often it was accepted
     accept_hist_A: jax.Array  # int32 [J+1]: cycles that accepted exactly a draft tokens
+    # Per-row requests (LoopConfig.sampling None): sampling settings, stop ids [B, K] (-1 = none); `key` is then
+    # one key per row [B], so a row's random draws depend only on its own seed and history.
+    row_sampling: RowSampling | None = None
+    stop_BK: jax.Array | None = None
 
 
 class SpecLoop:
@@ -74,6 +78,7 @@ class SpecLoop:
         self.traces = 0
         self.prefill = jax.jit(self._prefill_impl, static_argnums=0, donate_argnums=(3, 4))
         self.run = jax.jit(self._run_impl, static_argnums=0, donate_argnums=3)
+        self.prefill_slot = jax.jit(self._prefill_slot_impl, static_argnums=0, donate_argnums=3)
 
     # ------------------------------------------------------------------ helpers (traced)
     def _replicated(self, x):
@@ -82,23 +87,23 @@ class SpecLoop:
     def _target_step(self, tparams, tokens_BT, pos_BT, cache, cfg: LoopConfig):
         """Target forward; returns (ids [B,T] if greedy else logits [B,T,V], cache, captured [X,B,T,D])."""
         capture = self.drafter.capture_layers if (self.drafter is not None and cfg.num_steps) else ()
-        head = "argmax" if cfg.sampling.greedy else "logits"
+        head = "argmax" if _greedy(cfg) else "logits"
         out, cache, captured = self.target.apply(tparams, tokens_BT, pos_BT, cache, capture=capture, head=head)
         return self._replicated(out), cache, captured
 
     def _choose_target(self, key, out_BV, sampling: Sampling):
         """A token from the target's output at one position (ids if greedy, else logits)."""
-        return out_BV if sampling.greedy else sample(key, out_BV, sampling)
+        return out_BV if sampling.greedy else _sample(key, out_BV, sampling)
 
     def _draft_choose(self, key, logits_BU, sampling: Sampling):
         """Draft token (target ids) and its distribution over the target vocabulary (sampling only)."""
         drafter = self.drafter
         logits_BU = self._replicated(logits_BU)
-        draft_U = sample(key, logits_BU, sampling)
+        draft_U = _sample(key, logits_BU, sampling)
         ids_B = drafter.to_target_ids(draft_U)
         if sampling.greedy:
             return ids_B, jnp.zeros((ids_B.shape[0], 1), jnp.float32)
-        q_BU = jnp.exp(warp(logits_BU, sampling))
+        q_BU = jnp.exp(_warp(logits_BU, sampling))
         vocab = self.target.vocab_size
         if drafter.d2t is None:
             return ids_B, q_BU
@@ -113,38 +118,12 @@ class SpecLoop:
         B, S = tokens_BS.shape
         C, J = cfg.prefill_chunk, cfg.num_steps
         n_chunks = cfg.prompt_bucket // C
-        last_B = prompt_len_B - 1
         use_drafter = self.drafter is not None and J > 0
         D = self.drafter.config.hidden_size if use_drafter else 1
-        V = self.target.vocab_size if not cfg.sampling.greedy and use_drafter else 1
+        V = self.target.vocab_size if not _greedy(cfg) and use_drafter else 1
 
         def chunk(carry, c):
-            tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
-            start = c * C
-            pos_BT = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
-            chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, C, axis=1)
-            out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, tcache, cfg)
-            # The first generated token comes from the last prompt position, if it falls in this chunk.
-            key, k1, k2 = jax.random.split(key, 3)
-            in_chunk_B = (last_B >= start) & (last_B < start + C)
-            row_B = jnp.clip(last_B - start, 0, C - 1)
-            out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
-            first_B = self._choose_target(k1, out_B, cfg.sampling)
-            tokens_BS = jnp.where(
-                in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None]), first_B[:, None], tokens_BS
-            )
-            if use_drafter:
-                # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
-                next_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start + 1, C, axis=1)
-                logits, h2, dcache = self.drafter.apply(
-                    dparams, next_BT, concat_captured(captured), pos_BT, dcache, first_step=True
-                )
-                pick = lambda x: jnp.take_along_axis(self._replicated(x), row_B[:, None, None], axis=1)[:, 0]  # noqa: E731
-                d_B, dq_BV = self._draft_choose(k2, pick(logits), cfg.sampling)
-                draft_B = jnp.where(in_chunk_B, d_B, draft_B)
-                q_BV = jnp.where(in_chunk_B[:, None], dq_BV, q_BV)
-                hidden_BD = jnp.where(in_chunk_B[:, None], pick(h2).astype(hidden_BD.dtype), hidden_BD)
-            return (tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key), None
+            return self._prefill_chunk(cfg, cfg.sampling, tparams, dparams, carry, c * C, prompt_len_B), None
 
         hidden_dtype = self.drafter.dtype if use_drafter else jnp.float32
         carry = (
@@ -160,7 +139,7 @@ class SpecLoop:
         tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
         first_B = jnp.take_along_axis(tokens_BS, prompt_len_B[:, None], axis=1)[:, 0]
         max_new_B = state_in["max_new_B"]
-        done_B = state_in["pad_B"] | jnp.isin(first_B, jnp.asarray(cfg.stop_ids or (-1,))) | (max_new_B <= 1)
+        done_B = state_in["pad_B"] | _is_stop(first_B, cfg, None) | (max_new_B <= 1)
         return LoopState(
             tokens_BS=tokens_BS,
             prompt_len_B=prompt_len_B,
@@ -180,6 +159,70 @@ class SpecLoop:
             accept_hist_A=jnp.zeros((J + 1,), jnp.int32),
         )
 
+    def _prefill_slot_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, slot, start) -> LoopState:
+        """One prefill chunk (positions start..start+C) of row `slot` of a per-row state (LoopConfig.sampling None),
+        for the serving engine: every other row keeps its state. The row must be admitted (tokens, prompt_len,
+        sampling, stop ids, key set) and done (so cycles skip it) while its chunks run in order; the chunk holding
+        its last prompt position sets its first token and draft, and makes it active unless that token ends it."""
+        self.traces += 1
+        C = cfg.prefill_chunk
+        row = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis)  # noqa: E731
+        put = lambda x, new, axis=0: jax.lax.dynamic_update_slice_in_dim(x, new, slot, axis=axis)  # noqa: E731
+        dcache = None if state.draft_cache is None else tuple(row(c) for c in state.draft_cache)
+        prompt_len = row(state.prompt_len_B)
+        carry = (row(state.tokens_BS), row(state.target_cache, 1), dcache, row(state.draft_B), row(state.draft_q_BV))
+        carry += (row(state.hidden_BD), row(state.key))
+        sampling = jax.tree.map(row, state.row_sampling)
+        tokens, tcache, dcache, draft, q, hidden, key = self._prefill_chunk(
+            cfg, sampling, tparams, dparams, carry, start, prompt_len
+        )
+        first = jnp.take_along_axis(tokens, prompt_len[:, None], axis=1)[:, 0]
+        ends = _is_stop(first, cfg, row(state.stop_BK)) | (row(state.max_new_B) <= 1)
+        done = jnp.where(prompt_len - 1 < start + C, ends, True)
+        if dcache is not None:
+            dcache = tuple(put(c, n) for c, n in zip(state.draft_cache, dcache, strict=True))
+        return state.replace(
+            tokens_BS=put(state.tokens_BS, tokens),
+            target_cache=put(state.target_cache, tcache, 1),
+            draft_cache=dcache,
+            draft_B=put(state.draft_B, draft),
+            draft_q_BV=put(state.draft_q_BV, q),
+            hidden_BD=put(state.hidden_BD, hidden),
+            key=put(state.key, key),
+            done_B=put(state.done_B, done),
+        )
+
+    def _prefill_chunk(self, cfg: LoopConfig, sampling, tparams, dparams, carry, start, prompt_len_B):
+        """Prompt positions start..start+C of every row into the caches. A row whose last prompt position falls in
+        this chunk gets its first generated token, its first draft (and q) and the drafter's hidden state."""
+        tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
+        B, S = tokens_BS.shape
+        C = cfg.prefill_chunk
+        last_B = prompt_len_B - 1
+        pos_BT = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
+        chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, C, axis=1)
+        out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, tcache, cfg)
+        # The first generated token comes from the last prompt position, if it falls in this chunk.
+        key, k1, k2 = _split(key, 3)
+        in_chunk_B = (last_B >= start) & (last_B < start + C)
+        row_B = jnp.clip(last_B - start, 0, C - 1)
+        out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
+        first_B = self._choose_target(k1, out_B, sampling)
+        at_first_BS = in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None])
+        tokens_BS = jnp.where(at_first_BS, first_B[:, None], tokens_BS)
+        if self.drafter is not None and cfg.num_steps > 0:
+            # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
+            next_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start + 1, C, axis=1)
+            logits, h2, dcache = self.drafter.apply(
+                dparams, next_BT, concat_captured(captured), pos_BT, dcache, first_step=True
+            )
+            pick = lambda x: jnp.take_along_axis(self._replicated(x), row_B[:, None, None], axis=1)[:, 0]  # noqa: E731
+            d_B, dq_BV = self._draft_choose(k2, pick(logits), sampling)
+            draft_B = jnp.where(in_chunk_B, d_B, draft_B)
+            q_BV = jnp.where(in_chunk_B[:, None], dq_BV, q_BV)
+            hidden_BD = jnp.where(in_chunk_B[:, None], pick(h2).astype(hidden_BD.dtype), hidden_BD)
+        return tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key
+
     # ------------------------------------------------------------------ the cycle loop
     def _run_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, max_cycles):
         """Run cycles until every sequence is done or `max_cycles` more cycles ran (for streaming)."""
@@ -192,16 +235,16 @@ class SpecLoop:
         return jax.lax.while_loop(cond, lambda s: self._cycle(cfg, tparams, dparams, s), state)
 
     def _cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:
-        J, sampling = cfg.num_steps, cfg.sampling
+        J, sampling = cfg.num_steps, _sampling(cfg, s)
         B, S = s.tokens_BS.shape
         n_B = s.length_B
-        key, draft_key, accept_key, extend_key = jax.random.split(s.key, 4)
+        key, draft_key, accept_key, extend_key = _split(s.key, 4)
         pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
 
         # 1. draft J tokens (the first came from the last draft-extend)
         drafts, qs = [s.draft_B], [s.draft_q_BV]
         dcache, token_B, hidden_BD = s.draft_cache, s.draft_B, s.hidden_BD
-        for j, k in enumerate(jax.random.split(draft_key, max(J - 1, 1))[: J - 1], start=1):
+        for j, k in enumerate(_split(draft_key, max(J - 1, 1))[: J - 1], start=1):
             pos_BT = (n_B + j - 1)[:, None]  # drafter position of d_j (= target position of its predecessor)
             logits, h2, dcache = self.drafter.apply(
                 dparams, token_B[:, None], hidden_BD[:, None], pos_BT, dcache, first_step=False
@@ -232,6 +275,8 @@ class SpecLoop:
             q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
             hidden_BD = jnp.where(active_B[:, None], pick(h2).astype(s.hidden_BD.dtype), s.hidden_BD)
 
+        if key.ndim:  # per-row keys advance only on the row's own cycles: its draws never depend on the batch
+            key = jnp.where(active_B, key, s.key)
         # 6. statistics over the sequences that were active this cycle
         return committed.replace(
             target_cache=tcache,
@@ -246,21 +291,21 @@ class SpecLoop:
     def _accept_commit(self, cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
         """Steps 3-4 of a cycle: accept a prefix of the drafts against the target's output `out` (ids if greedy, else
         logits) and commit it. Returns (accepted_B, emitted_BT, active_B, `s` with tokens/end/length/done updated)."""
-        J, sampling = cfg.num_steps, cfg.sampling
+        J, sampling = cfg.num_steps, _sampling(cfg, s)
         B = s.tokens_BS.shape[0]
         n_B = s.length_B
         # 3. accept
         if sampling.greedy:
             accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
         else:
-            p_BTV = jnp.exp(warp(out, sampling))
+            p_BTV = jnp.exp(_warp(out, sampling))
             q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
-            accepted_B, next_B = speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
+            accepted_B, next_B = _speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
 
         # 4. commit: emitted tokens are d_1..d_a then the bonus; cut at the first stop id and at the budget
         idx_T = jnp.arange(J + 1, dtype=jnp.int32)
         emitted_BT = jnp.where(idx_T < accepted_B[:, None], jnp.pad(draft_BJ, ((0, 0), (0, 1))), next_B[:, None])
-        stop_BT = jnp.isin(emitted_BT, jnp.asarray(cfg.stop_ids or (-1,))) & (idx_T <= accepted_B[:, None])
+        stop_BT = _is_stop(emitted_BT, cfg, s.stop_BK) & (idx_T <= accepted_B[:, None])
         first_stop_B = jnp.where(stop_BT.any(1), jnp.argmax(stop_BT, axis=1), J + 1)
         budget_B = s.max_new_B - (s.end_B - s.prompt_len_B)
         keep_B = jnp.minimum(jnp.minimum(accepted_B + 1, first_stop_B + 1), budget_B)
@@ -288,3 +333,46 @@ class SpecLoop:
             "accepted_J": s.accepted_J + count(accepted_B[:, None] > idx_J),
             "accept_hist_A": s.accept_hist_A + count(accepted_B[:, None] == jnp.arange(J + 1)),
         }
+
+
+# ---------------------------------------------------------------------- static or per-row sampling (traced helpers)
+def _greedy(cfg: LoopConfig) -> bool:
+    """The whole program is greedy (static settings at temperature 0): the target's head is then a sharded argmax."""
+    return cfg.sampling is not None and cfg.sampling.greedy
+
+
+def _sampling(cfg: LoopConfig, s: LoopState) -> Sampling | RowSampling:
+    return cfg.sampling if cfg.sampling is not None else s.row_sampling
+
+
+def _split(key: jax.Array, n: int) -> jax.Array:
+    """n keys from `key`: [n] from one key, [n, B] from per-row keys [B] (each row split on its own)."""
+    if key.ndim == 0:
+        return jax.random.split(key, n)
+    return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, n))(key), 0, 1)
+
+
+def _warp(logits: jax.Array, sampling: Sampling | RowSampling) -> jax.Array:
+    return warp_rows(logits, sampling) if isinstance(sampling, RowSampling) else warp(logits, sampling)
+
+
+def _sample(key: jax.Array, logits: jax.Array, sampling: Sampling | RowSampling) -> jax.Array:
+    return sample_rows(key, logits, sampling) if isinstance(sampling, RowSampling) else sample(key, logits, sampling)
+
+
+def _speculative_accept(key, draft_BJ, q_BJV, p_BTV):
+    """`speculative_accept`, each row with its own key when `key` is per-row [B]."""
+    if key.ndim == 0:
+        return speculative_accept(key, draft_BJ, q_BJV, p_BTV)
+    one = lambda k, d, q, p: speculative_accept(k, d[None], q[None], p[None])  # noqa: E731
+    accepted_B1, next_B1 = jax.vmap(one)(key, draft_BJ, q_BJV, p_BTV)
+    return accepted_B1[:, 0], next_B1[:, 0]
+
+
+def _is_stop(tokens_B_: jax.Array, cfg: LoopConfig, stop_BK: jax.Array | None) -> jax.Array:
+    """Which tokens [B, ...] are stop ids: the config's, plus each row's own (stop_BK, -1 padded) when given."""
+    stop = jnp.isin(tokens_B_, jnp.asarray(cfg.stop_ids or (-1,)))
+    if stop_BK is None:
+        return stop
+    row_BK = stop_BK.reshape(stop_BK.shape[:1] + (1,) * (tokens_B_.ndim - 1) + stop_BK.shape[1:])
+    return stop | jnp.any((tokens_B_[..., None] == row_BK) & (row_BK >= 0), axis=-1)

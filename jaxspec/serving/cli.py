@@ -1,0 +1,126 @@
+"""`jaxspec serve`: load a target + drafter (default: the bundled pair), compile the engine, serve HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("jaxspec.serving")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target checkpoint directory (default: the bundled pair, assets/kimi-py-tiny)")
+    p.add_argument("--drafter", help="EAGLE-3 drafter directory (default with the bundled pair: its drafter)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    p.add_argument(
+        "--num-steps",
+        default="auto",
+        help="draft tokens per cycle, 0 = plain decoding, or 'auto': the recommended_k of --tune DIR/tune.json, "
+        "for the bundled pair its committed tuning result (default: %(default)s)",
+    )
+    p.add_argument("--tune", type=Path, help="directory holding tune.json from 'jaxspec tune' (for --num-steps auto)")
+    p.add_argument("--max-batch", type=int, default=8, help="slots: the batch of the compiled loop (%(default)s)")
+    p.add_argument(
+        "--max-context", type=int, default=1024, help="positions per slot: prompt + max_tokens + k + 2 (%(default)s)"
+    )
+    p.add_argument(
+        "--batch-buckets",
+        default="",
+        help="comma-separated segment batch sizes to compile (default: powers of two up to --max-batch)",
+    )
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call (%(default)s)")
+    p.add_argument("--segment-cycles", type=int, default=4, help="cycles between admissions (%(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (%(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="(%(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="(%(default)s)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
+    p.add_argument(
+        "--chat-format",
+        default="auto",
+        choices=["auto", "kimi", "plain"],
+        help="auto: Kimi's chat template when the vocabulary has its tokens, else plain 'role: content' lines",
+    )
+    p.add_argument("--mesh", default=None, help="mesh shape 1xMODEL (default: one device)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="(default: float32 for the bundled pair, else bfloat16)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _num_steps(args, bundled: bool) -> int:
+    if args.num_steps != "auto":
+        try:
+            return int(args.num_steps)
+        except ValueError:
+            raise SystemExit(
+                f"jaxspec serve: --num-steps expects an integer or 'auto', got {args.num_steps!r}"
+            ) from None
+    if args.tune is not None:
+        path = args.tune / "tune.json"
+    elif bundled:
+        from jaxspec.bundled import ROOT
+
+        path = ROOT.parent.parent / "benchmarks" / "results" / "tune_bundled" / "tune.json"
+    else:
+        raise SystemExit("jaxspec serve: --num-steps auto needs --tune DIR (the output of 'jaxspec tune')")
+    if not path.is_file():
+        raise SystemExit(f"jaxspec serve: --num-steps auto: {path} not found (run 'jaxspec tune')")
+    k = int(json.loads(path.read_text())["recommended_k"])
+    log.info("--num-steps auto: k = %d (recommended_k of %s)", k, path)
+    return k
+
+
+def cmd_serve(args) -> int:
+    import jax.numpy as jnp
+    import uvicorn
+
+    from jaxspec import bundled as bundled_pair
+    from jaxspec.drafter import load_drafter
+    from jaxspec.serving.app import create_app
+    from jaxspec.serving.engine import Engine, EngineConfig
+    from jaxspec.serving.metrics import Metrics
+    from jaxspec.target import load_target
+    from jaxspec.tokenizer import load_tokenizer
+    from sharding.mesh import make_mesh
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    bundled = args.model is None
+    if bundled:
+        target_dir, drafter_dir = bundled_pair.paths()
+        args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
+        args.dtype = args.dtype or "float32"
+    num_steps = _num_steps(args, bundled)
+    if num_steps and not args.drafter:
+        raise SystemExit("jaxspec serve: --num-steps > 0 needs --drafter (or --num-steps 0)")
+    try:
+        config = EngineConfig(
+            max_batch=args.max_batch,
+            max_context=args.max_context,
+            num_steps=num_steps,
+            prefill_chunk=args.prefill_chunk,
+            segment_cycles=args.segment_cycles,
+            max_queue=args.max_queue,
+            batch_buckets=tuple(int(b) for b in args.batch_buckets.split(",") if b.strip()),
+        )
+    except ValueError as e:  # also a --batch-buckets entry that is not an integer
+        raise SystemExit(f"jaxspec serve: {e}") from None
+    dtype = jnp.dtype(args.dtype or "bfloat16")
+    log.info("loading %s (%s)", args.model, dtype)
+    target = load_target(args.model, mesh=make_mesh(args.mesh) if args.mesh else None, dtype=dtype)
+    drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    metrics = Metrics(num_steps, config.max_batch)
+    engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics)
+    engine.warmup(log.info)
+    name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)
+    app = create_app(engine, tokenizer, name, chat_format=args.chat_format)
+    log.info("serving %s on http://%s:%d (k = %d)", name, args.host, args.port, num_steps)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
+    return 0

@@ -1,0 +1,106 @@
+"""The slot engine in-process: admission into free slots between segments, chunked per-slot prefill, eviction,
+cancellation, the bounded queue, per-row sampling, and greedy output independent of the rest of the batch."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
+from jaxspec.serving.engine import Engine, EngineConfig, QueueFull, Request
+from tests.serving.conftest import NUM_STEPS
+
+# 2 slots (segment buckets 1 and 2), prefill chunks of 16 (most prompts take several), short segments.
+CONFIG = EngineConfig(
+    max_batch=2, max_context=128, num_steps=NUM_STEPS, prefill_chunk=16, segment_cycles=2, max_queue=6
+)
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    target, drafter, tokenizer = pair
+    eng = Engine(target, drafter, CONFIG, stop_ids=tokenizer.stop_ids)
+    eng.warmup(lambda _: None)
+    return eng
+
+
+def test_admission_eviction_and_batch_independent_greedy(engine, prompts, reference):
+    """Six requests through two slots: each waits in the queue, is admitted when a slot frees (its prefill chunks
+    interleaved with the other slot's segments), leaves at once when done, and its greedy output equals the
+    single-request `jaxspec.generate` output. A seeded sampled request rides along and comes out the same as alone."""
+    budgets = [12, 5, 20, 7, 16, 9]
+    greedy = [Request(prompts[i], budgets[i]) for i in range(5)]
+    sampled = Request(prompts[5], budgets[5], Sampling(0.9, top_k=40, top_p=0.95), seed=11)
+    occupancy = []
+    for r in greedy[:3] + [sampled] + greedy[3:]:
+        engine.submit(r)
+    assert engine.queue_depth == 6
+    while engine.step():
+        occupancy.append(engine.occupancy)
+        assert engine.occupancy <= CONFIG.max_batch
+    assert max(occupancy) == CONFIG.max_batch and engine.occupancy == 0 and engine.queue_depth == 0
+    for r, budget in zip(greedy, budgets, strict=False):
+        assert r.finished and r.slot is None
+        assert r.tokens == reference(r.prompt, budget), r.prompt
+        assert r.finish_reason == ("stop" if r.tokens[-1] in engine.stop_ids else "length")
+    alone = Request(prompts[5], budgets[5], Sampling(0.9, top_k=40, top_p=0.95), seed=11)
+    engine.submit(alone)
+    engine.run_until_idle()
+    assert alone.tokens == sampled.tokens and len(alone.tokens) > 0
+
+
+def test_cancel_frees_the_slot_and_the_other_request_is_unaffected(engine, prompts, reference):
+    updates = []
+    keep = Request(prompts[1], 14)
+    cancel = Request(prompts[2], 40, on_update=lambda r, new: updates.append((list(new), r.finish_reason)))
+    engine.submit(keep)
+    engine.submit(cancel)
+    while not cancel.tokens:
+        engine.step()
+    assert cancel.slot is not None
+    engine.cancel(cancel)
+    engine.step()
+    assert cancel.finish_reason == "cancelled" and cancel.slot is None and len(cancel.tokens) < 40
+    assert updates[-1] == ([], "cancelled")
+    queued = Request(prompts[3], 4)
+    engine.submit(queued)
+    engine.cancel(queued)  # cancelled while waiting: never takes a slot
+    engine.run_until_idle()
+    assert queued.finish_reason == "cancelled" and queued.tokens == []
+    assert keep.tokens == reference(keep.prompt, 14)
+    assert engine.slots == [None, None]
+
+
+def test_bounded_queue_and_bad_requests(engine, prompts):
+    with pytest.raises(ValueError, match="exceeds the context of 128"):
+        engine.submit(Request(prompts[5], 100))
+    with pytest.raises(ValueError, match="token ids in \\[0, 4096\\)"):
+        engine.submit(Request([1, 5000], 4))
+    with pytest.raises(ValueError, match="max_tokens: expected an integer >= 1"):
+        engine.submit(Request([1, 2], 0))
+    waiting = [Request(prompts[0], 2) for _ in range(CONFIG.max_queue)]
+    for r in waiting:
+        engine.submit(r)
+    with pytest.raises(QueueFull):
+        engine.submit(Request(prompts[0], 2))
+    engine.run_until_idle()
+    assert all(r.finished for r in waiting)
+
+
+def test_warp_rows_equals_warp_per_row():
+    """Each row of `warp_rows` is `warp` with that row's settings (greedy, temperature, top-k, top-p, tiny T)."""
+    rng = np.random.default_rng(0)
+    settings = [
+        Sampling(0.0),
+        Sampling(0.7, top_k=5),
+        Sampling(1.3, top_p=0.8),
+        Sampling(0.5, top_k=20, top_p=0.6),
+        Sampling(2.0, top_k=1),
+    ]
+    logits = jnp.asarray(rng.standard_normal((len(settings), 3, 64)) * 3, jnp.float32)
+    got = np.asarray(warp_rows(logits, RowSampling.of(settings)))
+    for b, s in enumerate(settings):
+        want = np.asarray(warp(logits[b], s))
+        assert np.array_equal(np.isfinite(got[b]), np.isfinite(want)), s
+        np.testing.assert_allclose(np.exp(got[b]), np.exp(want), atol=1e-6, err_msg=str(s))
+    tiny = np.asarray(warp_rows(logits[:1], RowSampling.of([Sampling(1e-30)])))
+    assert not np.isnan(tiny).any() and (np.exp(tiny).sum(-1) > 0.999).all()
