@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +239,7 @@ def read_params(path: str | Path, cfg: KimiConfig, *, int4_experts: bool, dtype:
         per_layer = [_read_layer(reader, cfg, i, moe, int4_experts, cast) for i in layers]
         params[stack] = _stack(per_layer, Int4Array)
 
-    unexpected = sorted(n for n in set(reader.names) - reader.used if not _is_ignorable(n, cfg))
+    unexpected = sorted(n for n in set(reader.names) - reader.used if not _is_ignorable(n, cfg, reader.names))
     problems = reader.problems + [f"unexpected tensor {n}" for n in unexpected]
     if problems:
         raise CheckpointError(f"{path}: {len(problems)} problem(s) with the checkpoint:\n  " + "\n  ".join(problems))
@@ -256,14 +256,18 @@ _MTP_SUFFIX = re.compile(
 )
 
 
-def _is_ignorable(name: str, cfg: KimiConfig) -> bool:
+def _is_ignorable(name: str, cfg: KimiConfig, names: Collection[str] | None = None) -> bool:
     """Rotary buffers, and the tensors of the config's MTP layers (model.layers.{L .. L+n-1}), which the text model
-    does not use. Anything else past the last decoder layer is unexpected: weights for layers the config lacks."""
+    does not use. Anything else past the last decoder layer is unexpected: weights for layers the config lacks.
+    With `names` (every tensor in the checkpoint), an MTP layer must also hold its defining `eh_proj`, so a config
+    whose num_hidden_layers is one short is not mistaken for one with an MTP layer."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
     m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
     L = cfg.num_hidden_layers
-    return bool(m and L <= int(m.group(1)) < L + cfg.num_nextn_predict_layers and _MTP_SUFFIX.fullmatch(m.group(2)))
+    if not (m and L <= int(m.group(1)) < L + cfg.num_nextn_predict_layers and _MTP_SUFFIX.fullmatch(m.group(2))):
+        return False
+    return names is None or f"model.layers.{m.group(1)}.eh_proj.weight" in names
 
 
 def _read_layer(reader: _Reader, cfg: KimiConfig, layer: int, moe: bool, int4: bool, cast) -> dict[str, Any]:

@@ -33,8 +33,38 @@ def make_mesh(shape: str | Sequence[int] | None = None, devices: Sequence[jax.De
     devices = list(jax.devices() if devices is None else devices)
     data, model = parse_shape(shape) if shape is not None else (1, len(devices))
     if data * model != len(devices):
-        raise ValueError(f"mesh shape {data}x{model} needs {data * model} devices, {len(devices)} available")
+        hint = (
+            f"; to use a subset pass devices=jax.devices()[:{data * model}] (CLI: --devices {data * model})"
+            if data * model < len(devices)
+            else ""
+        )
+        raise ValueError(f"mesh shape {data}x{model} needs {data * model} devices, {len(devices)} available{hint}")
     return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=(AxisType.Explicit,) * 2)
+
+
+def select_devices(spec: str, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """Devices named by `spec`: a count ("4": the first four), ids ("0,2,4,6") or a range ("4-7")."""
+    devices = list(jax.devices() if devices is None else devices)
+    spec = spec.strip()
+    try:
+        if "," in spec or "-" in spec:
+            ids = []
+            for part in spec.split(","):
+                lo, _, hi = part.partition("-")
+                ids += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+        else:
+            count = int(spec)
+            if count < 1:
+                raise ValueError
+            ids = list(range(count))
+    except ValueError:
+        raise ValueError(
+            f"devices: expected a count like '4', ids like '0,2,4,6' or a range like '4-7', got {spec!r}"
+        ) from None
+    bad = [i for i in ids if not 0 <= i < len(devices)]
+    if bad or len(set(ids)) != len(ids):
+        raise ValueError(f"devices {spec!r}: ids must be distinct and in [0, {len(devices)}) ({len(devices)} devices)")
+    return [devices[i] for i in ids]
 
 
 def init_distributed(
