@@ -8,14 +8,21 @@ every token routed to them. Both give partial sums; the caller adds them and red
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.config import KimiConfig
 from jaxspec.models import quant
+from jaxspec.models.kernels import grouped_int4
 from jaxspec.models.layers import param, swiglu, zeros
 from sharding.mesh import MODEL
+
+ExpertImpl = Literal["auto", "xla", "pallas"]
 
 
 class MLP(nnx.Module):
@@ -52,6 +59,7 @@ class MoE(nnx.Module):
         self.shared = MLP(D, F * cfg.n_shared_experts, dtype, rngs)
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.impl: ExpertImpl = "auto"  # static (in the graphdef); see `with_expert_impl`
 
     def __call__(self, x_MD: jax.Array) -> jax.Array:
         with jax.named_scope("router"):
@@ -67,10 +75,21 @@ class MoE(nnx.Module):
             )
         with jax.named_scope("routed_experts"):
             routed = routed_experts(
-                x_MD, idx_MK, w_MK, self.gate.get_value(), self.up.get_value(), self.down.get_value()
+                x_MD, idx_MK, w_MK, self.gate.get_value(), self.up.get_value(), self.down.get_value(), impl=self.impl
             )
         with jax.named_scope("shared_expert"):
             return routed + self.shared(x_MD)
+
+
+def with_expert_impl(target, impl: ExpertImpl):
+    """A copy of a `Target` whose MoE layers use routed-expert path `impl` ("auto", "xla" or "pallas")."""
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"with_expert_impl: impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    model = nnx.merge(target.graphdef, target.params)
+    for _, module in model.iter_modules():
+        if isinstance(module, MoE):
+            module.impl = impl
+    return dataclasses.replace(target, graphdef=nnx.graphdef(model))
 
 
 def route(
@@ -100,41 +119,107 @@ def route(
     return idx_MK, w_MK * scaling
 
 
-# Active experts are computed this many at a time, so the dequantised weights alive at once stay bounded
-# (8 Kimi experts: 3 x 8 x 2048 x 7168 bf16 = 0.7 GB) however many tokens a step carries.
-EXPERT_CHUNK = 8
+def _tile_rows(pairs: int, experts: int) -> int:
+    """Sorted rows per tile: about the rows an expert gets under uniform routing (a power of two in [8, 128]);
+    decode and verify get 8, a long prefill up to 128 (fewer, fuller tiles)."""
+    return min(128, max(8, 1 << max(0, -(-pairs // experts) - 1).bit_length()))
 
 
 def routed_experts(
-    x_MD: jax.Array, idx_MK: jax.Array, w_MK: jax.Array, gate: quant.Weight, up: quant.Weight, down: quant.Weight
+    x_MD: jax.Array,
+    idx_MK: jax.Array,
+    w_MK: jax.Array,
+    gate: quant.Weight,
+    up: quant.Weight,
+    down: quant.Weight,
+    *,
+    impl: ExpertImpl = "auto",
+    interpret: grouped_int4.Backend | None = None,
 ) -> jax.Array:
     """This device's experts' weighted outputs (partial sum over experts, fp32 [M, D]).
 
-    Only experts that some token picked are computed: with M tokens at most M*K local experts are active, so a
-    static capacity of min(E_local, M*K) (rounded up to whole chunks) is exact. Decode and verify (small M) touch and
-    dequantise a handful of experts, not all of them; chunks of EXPERT_CHUNK bound the temporaries for large M.
+    The (token, expert) pairs routed to this device are sorted by expert and cut into tiles (expert, window of
+    sorted rows) over the hit experts only; each tile reads one expert's weights. Work and weight reads scale with
+    the distinct local experts hit (decode: one tile per hit expert), not with E_local.
+
+    impl: "xla" (a loop over the tiles); "pallas" (the grouped INT4 kernel: Mosaic on TPU, Triton on GPU; an error
+    elsewhere, or with `interpret` that lowering in the Pallas interpreter); "auto": for INT4 experts the kernel when
+    lowering for TPU/CUDA and xla otherwise (chosen per lowering platform), xla for float experts.
     """
+    args = (x_MD, idx_MK, w_MK, gate, up, down)
+    int4 = isinstance(gate, quant.Int4Array)
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"routed_experts: impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    if impl == "pallas" and not int4:
+        raise ValueError("routed_experts: impl='pallas' needs INT4 experts (the kernel reads packed INT4 weights)")
+    if interpret is not None:
+        if impl != "pallas":
+            raise ValueError(f"routed_experts: interpret={interpret!r} needs impl='pallas', got {impl!r}")
+        return _routed(*args, backend=interpret, interpret=True)
+    if impl == "xla" or not int4:
+        return _routed(*args, backend=None)
+    if impl == "pallas" and jax.default_backend() not in ("tpu", "gpu"):
+        raise ValueError(
+            f"routed_experts: impl='pallas' has no lowering for backend {jax.default_backend()!r} (TPU or GPU); "
+            "use impl='xla', or interpret='tpu'/'triton' to run a lowering in the Pallas interpreter"
+        )
+    kernels = dict(tpu=functools.partial(_routed, backend="tpu"), cuda=functools.partial(_routed, backend="triton"))
+    default = dict(default=functools.partial(_routed, backend=None)) if impl == "auto" else {}
+    return jax.lax.platform_dependent(*args, **kernels, **default)
+
+
+def _routed(x_MD, idx_MK, w_MK, gate, up, down, *, backend: grouped_int4.Backend | None, interpret: bool = False):
     M, K = idx_MK.shape
     E_local = gate.shape[0]
-    first = jax.lax.axis_index(MODEL) * E_local
-    # combine_ME[m, e]: routing weight of token m for local expert e (0 when not routed here).
-    combine_ME = jnp.einsum("MK,MKE->ME", w_MK, jax.nn.one_hot(idx_MK - first, E_local, dtype=jnp.float32))
-    chunk = min(EXPERT_CHUNK, E_local)
-    n_chunks = -(-min(E_local, M * K) // chunk)
-    # Local experts ordered by how many tokens picked them: every active expert lands in the first chunks.
-    order_E = jax.lax.top_k(jnp.sum(combine_ME != 0, axis=0), E_local)[1]
-    active_NC = order_E[: n_chunks * chunk].reshape(n_chunks, chunk)
+    rows = _tile_rows(M * K, E_local * jax.lax.axis_size(MODEL))
+    rows = max(rows, 16) if backend else rows  # TPU bf16 sublane tile / Triton dot minimum
+    local_MK = idx_MK - jax.lax.axis_index(MODEL) * E_local
+    mine_MK = (local_MK >= 0) & (local_MK < E_local)
+    # Pairs (flattened M*K, padded to whole tiles), sorted by local expert; other devices' pairs sort last.
+    expert_pairs = jnp.where(mine_MK, local_MK, E_local).reshape(-1)
+    # Whole windows plus `rows` spare rows, so no window of a hit expert runs past the end (see plan_tiles).
+    expert_pairs = jnp.pad(expert_pairs, (0, rows + -(M * K) % rows), constant_values=E_local)
+    order_pairs = jnp.argsort(expert_pairs, stable=True).astype(jnp.int32)
+    tiles = grouped_int4.plan_tiles(expert_pairs[order_pairs], E_local, rows, aligned=backend == "tpu")
+    x_sorted = jnp.take(x_MD, jnp.minimum(order_pairs // K, M - 1), axis=0)
+    if backend is None:
+        y_sorted = _experts_xla(x_sorted, tiles, gate, up, down, rows)[0]
+    else:
+        mm = functools.partial(grouped_int4.grouped_matmul, tiles=tiles, rows=rows, backend=backend)
+        mm = functools.partial(mm, interpret=interpret)
+        h_sorted = swiglu(mm(x_sorted, gate, out_dtype=x_MD.dtype), mm(x_sorted, up, out_dtype=x_MD.dtype))
+        y_sorted = mm(h_sorted, down, out_dtype=jnp.float32)
+    # Back to (token, k) order. Rows of other devices' pairs were never computed and may hold anything: select.
+    inv_pairs = jnp.zeros_like(order_pairs).at[order_pairs].set(jnp.arange(order_pairs.shape[0], dtype=jnp.int32))
+    y_MKD = jnp.take(y_sorted, inv_pairs[: M * K], axis=0).reshape(M, K, -1)
+    return jnp.einsum("MKD,MK->MD", jnp.where(mine_MK[..., None], y_MKD, 0), jnp.where(mine_MK, w_MK, 0))
 
-    def one_chunk(acc_MD, ids_C):
-        g, u, d = (_take(w, ids_C) for w in (gate, up, down))
-        h_CMF = swiglu(quant.einsum("MD,CDF->CMF", x_MD, g), quant.einsum("MD,CDF->CMF", x_MD, u))
-        y_CMD = quant.einsum("CMF,CFD->CMD", h_CMF, d, dtype=jnp.float32)
-        return acc_MD + jnp.einsum("CMD,MC->MD", y_CMD, jnp.take(combine_ME, ids_C, axis=1)), None
 
-    # The sum differs per device (each owns different experts): the scan carry must be typed as varying over MODEL.
-    acc_MD = jax.lax.pcast(jnp.zeros_like(x_MD, dtype=jnp.float32), (MODEL,), to="varying")
-    return jax.lax.scan(one_chunk, acc_MD, active_NC)[0]
+def _experts_xla(
+    x_sorted: jax.Array, tiles: grouped_int4.Tiles, gate: quant.Weight, up: quant.Weight, down: quant.Weight, rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """A data-dependent loop over the live tiles: each slices ONE expert's (packed) weights, dequantises that slice
+    and computes its block of rows. Returns (y [sorted rows, D] fp32 for the rows the tiles own, iterations run)."""
+
+    def tile(carry):
+        t, y_sorted = carry
+        e, start = tiles.expert[t], tiles.start[t]
+        g, u, d = (_expert(w, e) for w in (gate, up, down))
+        x_MD = jax.lax.dynamic_slice_in_dim(x_sorted, start, rows)
+        h_MF = swiglu(quant.einsum("MD,DF->MF", x_MD, g), quant.einsum("MD,DF->MF", x_MD, u))
+        y_MD = quant.einsum("MF,FD->MD", h_MF, d, dtype=jnp.float32)
+        keep_M = grouped_int4._row_mask(start, tiles.lo[t], tiles.hi[t], rows)
+        y_MD = jax.lax.dynamic_slice_in_dim(y_sorted, start, rows) + jnp.where(keep_M, y_MD, 0)
+        return t + 1, jax.lax.dynamic_update_slice_in_dim(y_sorted, y_MD, start, 0)
+
+    # Each device owns different experts: the loop carry must be typed as varying over MODEL.
+    y_sorted = jax.lax.pcast(jnp.zeros_like(x_sorted, jnp.float32), (MODEL,), to="varying")
+    t = jax.lax.pcast(jnp.int32(0), (MODEL,), to="varying")
+    t, y_sorted = jax.lax.while_loop(lambda c: c[0] < tiles.num[0], tile, (t, y_sorted))
+    return y_sorted, t
 
 
-def _take(w: quant.Weight, idx: jax.Array) -> quant.Weight:
-    return w.take(idx, 0) if isinstance(w, quant.Int4Array) else jnp.take(w, idx, axis=0)
+def _expert(w: quant.Weight, e: jax.Array) -> quant.Weight:
+    """One expert's weight [I, O] (still packed if INT4), by a dynamic index: reads only that expert."""
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)  # noqa: E731
+    return quant.Int4Array(take(w.packed), take(w.scale), w.group_size) if isinstance(w, quant.Int4Array) else take(w)
