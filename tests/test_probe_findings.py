@@ -18,7 +18,7 @@ from jaxspec import CheckpointError, KimiConfig, Target, load_target
 from jaxspec.config import ConfigError
 from jaxspec.decoding.generate import _prompt_ids, generate
 from jaxspec.decoding.sampling import Sampling, sample, warp
-from sharding.mesh import make_mesh, select_devices
+from sharding.mesh import make_mesh
 
 
 def _copy(hf_checkpoint, tmp_path, name="ckpt"):
@@ -156,6 +156,8 @@ def test_bad_config_values_name_the_field(hf_checkpoint, changes, pattern):
 
 # ------------------------------------------------------------------ the mesh
 def test_mesh_smaller_than_the_devices_says_how_to_pick_a_subset():
+    from sharding.mesh import select_devices
+
     with pytest.raises(
         ValueError, match=r"needs 4 devices, 8 available; .*devices=jax\.devices\(\)\[:4\].*--devices 4"
     ):
