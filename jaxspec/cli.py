@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -214,8 +213,13 @@ def check_args(args) -> None:
             parse_shape(args.mesh)
         except ValueError as e:
             fail(f"--mesh: {e}")
-    if args.devices is not None and not re.fullmatch(r"\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*", args.devices):
-        fail(f"--devices: expected a count like 4, ids like 0,2,4,6 or a range like 4-7, got {args.devices!r}")
+    if args.devices is not None:
+        from sharding.mesh import parse_devices
+
+        try:
+            parse_devices(args.devices)
+        except ValueError as e:
+            fail(f"--{e}")
     if cmd == "predict":
         _int_list(args.prompt, "--prompt", fail)
         if args.top < 1:
@@ -239,9 +243,11 @@ def _int_list(text: str, flag: str, fail) -> list[int]:
 
 
 def _check_generate_args(args, fail) -> None:
+    from jaxspec.decoding.generate import MAX_NUM_STEPS
+
     args.num_steps = _num_steps(args)
-    if not 0 <= args.num_steps <= 16:
-        fail(f"--num-steps: expected 0..16 draft tokens per cycle, got {args.num_steps}")
+    if not 0 <= args.num_steps <= MAX_NUM_STEPS:
+        fail(f"--num-steps: expected 0..{MAX_NUM_STEPS} draft tokens per cycle, got {args.num_steps}")
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens: expected an integer >= 1, got {args.max_new_tokens}")
     if not 0 <= args.temperature < float("inf"):
@@ -300,11 +306,11 @@ def _num_steps(args) -> int:
         try:
             return int(args.num_steps)
         except ValueError:
-            raise SystemExit(
-                f"jaxspec generate: --num-steps expects an integer or 'auto', got {args.num_steps!r}"
+            raise UsageError(
+                "generate", f"--num-steps: expected an integer or 'auto', got {args.num_steps!r}"
             ) from None
     if args.tune is None or not (args.tune / "tune.json").is_file():
-        raise SystemExit("jaxspec generate: --num-steps auto needs --tune DIR with the tune.json of 'jaxspec tune'")
+        raise UsageError("generate", "--num-steps auto needs --tune DIR with the tune.json of 'jaxspec tune'")
     return int(json.loads((args.tune / "tune.json").read_text())["recommended_k"])
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from jaxspec import load_target
@@ -46,8 +46,12 @@ def yarn(draw) -> dict:
 @st.composite
 def configs(draw) -> dict:
     """DeepseekV3Config keyword arguments for a tiny model (hidden 32, head dims 8/4/8)."""
-    n_group = draw(st.sampled_from([1, 1, 2, 3, 4]))
-    per_group = draw(st.integers(1, 6))  # 1 cannot be group-scored (HF takes each group's top 2)
+    # Expert counts on both sides of 8 and of the device count; groups usually divide them (HF cannot run a
+    # config whose groups do not), and a group of 1 cannot be scored (HF takes each group's top 2).
+    experts = draw(st.sampled_from([2, 6, 8, 10, 12, 16, 20, 24, 40]))
+    divisors = [g for g in (1, 2, 3, 4, 8) if experts % g == 0]
+    n_group = draw(st.sampled_from(divisors) if draw(st.integers(0, 9)) else st.sampled_from([3, 8]))
+    per_group = max(experts // n_group, 1)
     topk_group = draw(st.integers(1, n_group))
     layers = draw(st.integers(1, 3))
     return dict(
@@ -57,14 +61,14 @@ def configs(draw) -> dict:
         moe_intermediate_size=draw(st.sampled_from([16, 24])),
         num_hidden_layers=layers,
         first_k_dense_replace=draw(st.integers(0, layers)),
-        num_attention_heads=(heads := draw(st.sampled_from([1, 2, 3, 4, 8, 16]))),
+        num_attention_heads=(heads := draw(st.sampled_from([1, 2, 3, 8, 8, 16]))),
         num_key_value_heads=heads,
         q_lora_rank=draw(st.sampled_from([None, 16, 24])),
         kv_lora_rank=draw(st.sampled_from([8, 16])),
         qk_nope_head_dim=8,
         qk_rope_head_dim=4,
         v_head_dim=8,
-        n_routed_experts=n_group * per_group,
+        n_routed_experts=experts,
         n_group=n_group,
         topk_group=topk_group,
         num_experts_per_tok=draw(st.integers(1, per_group * topk_group + 1)),  # + 1: one past what is allowed
@@ -83,6 +87,8 @@ def _expected_refusals(c: dict, devices: int) -> list[str]:
     """Regexes for every reason jaxspec must refuse `c` on `devices` (empty: it must load and match HF)."""
     reasons = []
     per_group = c["n_routed_experts"] // c["n_group"]
+    if c["n_routed_experts"] % c["n_group"]:
+        reasons.append(r"^n_group: \d+ must divide n_routed_experts")
     if per_group < 2:
         reasons.append(r"^n_group: .*at least 2")
     if c["num_experts_per_tok"] > per_group * c["topk_group"]:
@@ -126,11 +132,14 @@ def _check(c: dict, tmp_root) -> None:
                 load_target(path, mesh=_mesh(devices), dtype=jnp.float32)
             msg = str(err.value)
             assert any(re.search(r, msg) for r in reasons), f"{devices} device(s): {msg!r} names none of {reasons}"
+            field = msg.split(":")[0] if msg.startswith(("n_", "num_", "rope")) else "mesh"
+            event(f"{devices} device(s): refused, {field}")
             continue
         target = load_target(path, mesh=_mesh(devices), dtype=jnp.float32)
         ours = np.asarray(target.logits(tokens), np.float64)
         err = np.abs(ours - ref).max() / ref.std()
         assert err <= 1e-4, f"{devices} device(s): logits differ from HF by {err:.2e} x std for {c}"
+        event(f"{devices} device(s): matches HF")
 
 
 # Examples that always run: q_lora_rank null, group-limited routing and 3 experts per device on 8 devices (24 in
