@@ -1,10 +1,11 @@
-"""Full-size check: the real Kimi-K2.5 preset on an 8-device mesh, compiled with abstract parameters.
+"""Full-size check: the real Kimi-K2.5 (or Moonlight-16B-A3B) preset on an 8-device mesh, abstract parameters.
 
 Lowers and compiles the decode step (batch 1 and 8) and a 4-token verify step of the real `kimi-k2.5` preset on 8
 simulated CPU devices without allocating anything, and reports per-device parameter bytes (int4 as 4 bits),
 XLA's per-device temporary bytes, collectives per step (by kind, executed counts) and compile time.
 
-    python benchmarks/kimi_k25_mesh.py [--mesh 1x8] [--cache-len 4096] [--cpu-licm off|on]
+    python benchmarks/kimi_k25_mesh.py [--preset kimi-k2.5|moonlight-16b-a3b] [--mesh 1x8] [--cache-len 4096]
+                                       [--cpu-licm off|on]
 
 CPU memory figures are a guide for accelerators (other backends fuse differently); argument bytes are exact.
 XLA's CPU backend has no bf16 dot, so it converts every bf16 weight to f32; its while-loop invariant code motion
@@ -42,7 +43,9 @@ def main() -> None:
     if args.cpu_licm == "off":
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_LICM_OFF}".strip()
     apply_preset(args.collective_preset)
-    output = args.output or f"benchmarks/results/kimi_k25_mesh{'_cpu_licm' if args.cpu_licm == 'on' else ''}.json"
+    # kimi-k2.5 keeps its historical file name; other presets (moonlight-16b-a3b: q_lora_rank null) get their own.
+    stem = "kimi_k25_mesh" if args.preset == "kimi-k2.5" else f"{args.preset.replace('-', '_').replace('.', '')}_mesh"
+    output = args.output or f"benchmarks/results/{stem}{'_cpu_licm' if args.cpu_licm == 'on' else ''}.json"
     simulate_cpu_devices(8)
 
     import jax

@@ -26,6 +26,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5")
     p.add_argument("--mesh", default=None, help="mesh shape DATAxMODEL, e.g. 1x8 (default: all devices on MODEL)")
     p.add_argument(
+        "--devices",
+        default=None,
+        metavar="SPEC",
+        help="use a subset of the devices for the mesh: a count (4 = the first four), ids (0,2,4,6) or a range (4-7)",
+    )
+    p.add_argument(
         "--dtype",
         default=None,
         choices=["bfloat16", "float32"],
@@ -151,10 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class UsageError(SystemExit):
+    """A bad argument or input file, reported as one argparse-style line (no traceback)."""
+
+    def __init__(self, command: str, message: str):
+        super().__init__(f"jaxspec {command}: error: {message}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from sharding.collectives import apply_preset, describe
+    from jaxspec.config import ConfigError
+    from jaxspec.hf import CheckpointError
+    from sharding.collectives import PRESETS, apply_preset, describe
 
+    if args.collective_preset not in PRESETS:
+        valid = ", ".join(sorted(PRESETS))
+        raise UsageError(
+            args.command, f"--collective-preset: unknown collective preset {args.collective_preset!r} (valid: {valid})"
+        )
+    if args.command in ("generate", "predict", "inspect"):
+        check_args(args)  # everything checkable without loading a model, before anything loads
     applied = apply_preset(args.collective_preset)
     if args.cpu_devices:
         from sharding.cpu import simulate_cpu_devices
@@ -173,18 +195,115 @@ def main(argv: list[str] | None = None) -> int:
         from jaxspec.training.cli import cmd_train_drafter
 
         return cmd_train_drafter(args)
-    return {"generate": cmd_generate, "predict": cmd_predict, "inspect": cmd_inspect}[args.command](args)
+    try:
+        return {"generate": cmd_generate, "predict": cmd_predict, "inspect": cmd_inspect}[args.command](args)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:  # bad input files: one line, not a traceback
+        raise UsageError(args.command, str(e)) from None
+
+
+def check_args(args) -> None:
+    """Argument checks for generate / predict / inspect that need no model: raise UsageError on the first problem."""
+    cmd = args.command
+
+    def fail(message: str):
+        raise UsageError(cmd, message)
+
+    if args.model and args.preset:
+        fail("give --model or --preset, not both")
+    if args.model:
+        model = Path(args.model)
+        if not model.is_dir():
+            fail(f"--model: {model} is not a directory")
+        if not (model / "config.json").is_file():
+            fail(f"--model: {model} holds no config.json")
+    if args.preset:
+        from jaxspec.config import PRESETS
+
+        if args.preset not in PRESETS:
+            fail(f"--preset: unknown preset {args.preset!r} (available: {', '.join(sorted(PRESETS))})")
+    if args.mesh is not None:
+        from sharding.mesh import parse_shape
+
+        try:
+            parse_shape(args.mesh)
+        except ValueError as e:
+            fail(f"--mesh: {e}")
+    if args.devices is not None:
+        from sharding.mesh import parse_devices
+
+        try:
+            parse_devices(args.devices)
+        except ValueError as e:
+            fail(f"--{e}")
+    if cmd == "predict":
+        _int_list(args.prompt, "--prompt", fail)
+        if args.top < 1:
+            fail(f"--top: expected an integer >= 1, got {args.top}")
+    elif cmd == "inspect":
+        for name in ("batch", "tokens", "cache_len"):
+            if getattr(args, name) < 1:
+                fail(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    else:
+        _check_generate_args(args, fail)
+
+
+def _int_list(text: str, flag: str, fail) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        fail(f"{flag}: expected comma-separated integers, got {text!r}")
+    if min(ids) < 0:
+        fail(f"{flag}: token ids must be >= 0, got {text!r}")
+    return ids
+
+
+def _check_generate_args(args, fail) -> None:
+    from jaxspec.decoding.generate import MAX_NUM_STEPS
+
+    args.num_steps = _num_steps(args)
+    if not 0 <= args.num_steps <= MAX_NUM_STEPS:
+        fail(f"--num-steps: expected 0..{MAX_NUM_STEPS} draft tokens per cycle, got {args.num_steps}")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens: expected an integer >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.temperature < float("inf"):
+        fail(f"--temperature: expected a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top-p: expected a value in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        fail(f"--top-k: expected an integer >= 0 (0 = off), got {args.top_k}")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed: expected an integer in [0, 2**32), got {args.seed}")
+    bundled = not (args.model or args.preset)
+    if not bundled and not args.prompt:
+        fail("--prompt is required with --model or --preset")
+    if args.ids and args.prompt:
+        for p in args.prompt:
+            _int_list(p, "--ids --prompt", fail)
+    if args.drafter and not Path(args.drafter).is_dir():
+        fail(f"--drafter: {args.drafter} is not a directory")
+    if args.model and args.num_steps and not args.drafter:
+        fail("--num-steps > 0 with --model needs --drafter (or --num-steps 0)")
+    if not bundled and (not args.ids or args.chat):
+        tok_dir = args.tokenizer or args.model
+        if tok_dir is None:
+            fail("text prompts need --tokenizer (or --model with a tokenizer); use --ids for token ids")
+        if not Path(tok_dir).is_dir():
+            fail(f"--tokenizer: {tok_dir} is not a directory")
 
 
 def _target(args, *, abstract: bool):
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target, load_target
-    from sharding.mesh import make_mesh
+    from sharding.mesh import make_mesh, select_devices
 
     if args.model and args.preset:
-        raise SystemExit("jaxspec: give --model or --preset, not both")
-    mesh = make_mesh(args.mesh)
+        raise UsageError(args.command, "give --model or --preset, not both")
+    try:
+        devices = select_devices(args.devices) if args.devices else None
+        mesh = make_mesh(args.mesh, devices)
+    except ValueError as e:
+        raise UsageError(args.command, f"--mesh/--devices: {e}") from None
     dtype = jnp.dtype(args.dtype or "bfloat16")
     if args.model:
         if abstract:
@@ -202,11 +321,11 @@ def _num_steps(args) -> int:
         try:
             return int(args.num_steps)
         except ValueError:
-            raise SystemExit(
-                f"jaxspec generate: --num-steps expects an integer or 'auto', got {args.num_steps!r}"
+            raise UsageError(
+                "generate", f"--num-steps: expected an integer or 'auto', got {args.num_steps!r}"
             ) from None
     if args.tune is None or not (args.tune / "tune.json").is_file():
-        raise SystemExit("jaxspec generate: --num-steps auto needs --tune DIR with the tune.json of 'jaxspec tune'")
+        raise UsageError("generate", "--num-steps auto needs --tune DIR with the tune.json of 'jaxspec tune'")
     return int(json.loads((args.tune / "tune.json").read_text())["recommended_k"])
 
 
@@ -229,7 +348,8 @@ def cmd_generate(args) -> int:
     from jaxspec.models.eagle3 import draft_config_for
     from jaxspec.tokenizer import load_tokenizer
 
-    args.num_steps = _num_steps(args)
+    if isinstance(args.num_steps, str):  # not yet checked (main() checks it; direct callers may not have)
+        args.num_steps = _num_steps(args)
     bundled = use_bundled_pair(args)
     if bundled:
         from jaxspec.bundled import prompts as held_out_prompts
@@ -265,14 +385,7 @@ def cmd_generate(args) -> int:
     if args.chat:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
 
-    printed = [0] * len(prompts)
-
-    def stream(tokens: list[list[int]]) -> None:
-        for i, toks in enumerate(tokens):
-            text = tokenizer.decode(toks) if tokenizer else ",".join(map(str, toks))
-            if len(text) > printed[i]:
-                print(text[printed[i] :], end="", flush=True)
-                printed[i] = len(text)
+    stream, finish_stream = _streamer(tokenizer)
 
     def run(num_steps: int, on_cycles=None):
         return generate(
@@ -299,7 +412,7 @@ def cmd_generate(args) -> int:
         run(0)
         timed = {"speculative": run(args.num_steps).stats, "plain": run(0).stats}
     if args.stream and len(prompts) == 1:
-        print()
+        print(finish_stream())
     else:
         for i, toks in enumerate(result.tokens):
             body = result.text[i] if result.text is not None else ",".join(map(str, toks))
@@ -325,6 +438,25 @@ def cmd_generate(args) -> int:
             f"speedup {spec['tokens_per_second'] / plain['tokens_per_second']:.2f}x"
         )
     return 0
+
+
+def _streamer(tokenizer):
+    """(on_cycles callback printing one prompt's new text, finish() -> the held-back rest). Text goes through
+    `StreamDecoder`, which holds back a character split across a chunk boundary instead of printing U+FFFD."""
+    from jaxspec.tokenizer import StreamDecoder
+
+    decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+    seen = [0]
+
+    def stream(tokens: list[list[int]]) -> None:
+        new, seen[0] = tokens[0][seen[0] :], len(tokens[0])
+        if decoder is not None:
+            text = decoder.push(new)
+        else:
+            text = "".join(("," if seen[0] - len(new) + i else "") + str(t) for i, t in enumerate(new))
+        print(text, end="", flush=True)
+
+    return stream, (lambda: decoder.flush() if decoder is not None else "")
 
 
 def cmd_predict(args) -> int:

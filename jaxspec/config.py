@@ -58,7 +58,7 @@ class KimiConfig:
     moe_intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    q_lora_rank: int
+    q_lora_rank: int | None  # None: one q_proj [D -> N*(H+R)] (DeepSeek-V2-Lite / Moonlight), no query latent
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -80,12 +80,23 @@ class KimiConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder layers (model.layers.{L..L+n-1}); unused.
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(v, int) or v <= 0) and f.name != "first_k_dense_replace":
-                raise ConfigError(f"{f.name}: expected a positive integer, got {v!r}")
+            if f.type != "int" and not (f.name == "q_lora_rank" and v is not None):
+                continue
+            low = 0 if f.name in ("first_k_dense_replace", "num_nextn_predict_layers") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"{f.name}: expected {'a positive integer' if low else 'an integer >= 0'}, got {v!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name}: expected a positive finite number, got {v!r}")
+        if not (isinstance(self.routed_scaling_factor, int | float) and math.isfinite(self.routed_scaling_factor)):
+            raise ConfigError(f"routed_scaling_factor: expected a finite number, got {self.routed_scaling_factor!r}")
         checks = [
             (
                 self.n_routed_experts % self.n_group == 0,
@@ -96,6 +107,13 @@ class KimiConfig:
                 self.topk_group <= self.n_group,
                 "topk_group",
                 f"{self.topk_group} exceeds n_group={self.n_group}",
+            ),
+            (
+                # HF's group score is the sum of each group's two best experts (torch.topk(2) per group).
+                self.n_routed_experts // self.n_group >= 2,
+                "n_group",
+                f"{self.n_group} leaves {self.n_routed_experts // self.n_group} expert(s) per group; "
+                "group-limited routing scores each group by its top 2, so each group needs at least 2",
             ),
             (
                 self.num_experts_per_tok <= self.n_routed_experts // self.n_group * self.topk_group,
@@ -133,6 +151,11 @@ class KimiConfig:
     def qk_head_dim(self) -> int:
         """Query/key width per head: the non-rotary part plus the rotary part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def q_lora(self) -> bool:
+        """True when queries go through a low-rank latent (q_a -> norm -> q_b); False for a single q_proj."""
+        return self.q_lora_rank is not None
 
     @property
     def latent_dim(self) -> int:
@@ -194,12 +217,17 @@ class KimiConfig:
                 raise ConfigError(f"{name}: expected a number, got {v!r}")
             return v
 
-        if cfg.get("q_lora_rank") is None:
-            raise ConfigError("q_lora_rank: missing or null (DeepSeek-V2-Lite style q_proj is not supported)")
+        if "q_lora_rank" not in cfg:
+            # HF's DeepseekV3Config defaults it to 1536; a file without it is ambiguous, so say which is meant.
+            raise ConfigError("q_lora_rank: required field missing from config.json (an integer, or null for q_proj)")
+        q_lora_rank = None if cfg["q_lora_rank"] is None else req("q_lora_rank")
         if cfg.get("kv_lora_rank") is None:
             raise ConfigError("kv_lora_rank: required field missing from config.json (MLA needs a KV latent rank)")
         heads = req("num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads", heads)
+        if heads <= 0:
+            raise ConfigError(f"num_attention_heads: expected a positive integer, got {heads}")
+        kv_heads = cfg.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else kv_heads
         if kv_heads != heads:
             raise ConfigError(f"num_key_value_heads: MLA expects {heads} (= num_attention_heads), got {kv_heads}")
         for name, expected in (
@@ -211,6 +239,10 @@ class KimiConfig:
                 raise ConfigError(f"{name}: only {expected!r} is supported, got {cfg[name]!r}")
         if cfg.get("moe_layer_freq", 1) != 1:
             raise ConfigError(f"moe_layer_freq: only 1 is supported, got {cfg['moe_layer_freq']}")
+        for name, expected in (("attention_bias", False), ("rope_interleave", True)):
+            if cfg.get(name) is not None and cfg[name] is not expected:
+                raise ConfigError(f"{name}: only {str(expected).lower()} is supported, got {cfg[name]!r}")
+        nextn = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
 
         rope_theta, rope_scaling = _read_rope(cfg)
         quant = _read_quant(cfg.get("quantization_config") or top.get("quantization_config"))
@@ -226,7 +258,7 @@ class KimiConfig:
             moe_intermediate_size=req("moe_intermediate_size"),
             num_hidden_layers=req("num_hidden_layers"),
             num_attention_heads=heads,
-            q_lora_rank=req("q_lora_rank"),
+            q_lora_rank=q_lora_rank,
             kv_lora_rank=req("kv_lora_rank"),
             qk_nope_head_dim=req("qk_nope_head_dim"),
             qk_rope_head_dim=req("qk_rope_head_dim"),
@@ -248,6 +280,7 @@ class KimiConfig:
             bos_token_id=top_or_text("bos_token_id"),
             eos_token_id=top_or_text("eos_token_id"),
             pad_token_id=top_or_text("pad_token_id"),
+            num_nextn_predict_layers=0 if nextn is None else nextn,
         )
 
     @classmethod
@@ -372,6 +405,36 @@ _KIMI_K25 = KimiConfig(
     pad_token_id=163839,
 )
 
+# Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B, config.json; the same numbers are in Megatron/slime's
+# scripts/models/moonlight.sh and NeMo Megatron-Bridge's Moonlight page): DeepSeek-V3 architecture with
+# q_lora_rank null (one q_proj), 27 layers (1 dense), 64 routed experts top-6 + 2 shared, no rope scaling, bf16.
+_MOONLIGHT = KimiConfig(
+    vocab_size=163840,
+    hidden_size=2048,
+    intermediate_size=11264,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.446,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    max_position_embeddings=8192,
+    bos_token_id=163584,
+    eos_token_id=163585,
+)
+
 # Small configs with the same structure, for tests and examples. "tiny" is Kimi-like (n_group 1, sigmoid routing,
 # yarn beta_fast 32); "tiny-dsv3" is DeepSeek-V3-like (group-limited routing, n_group 4 / topk_group 2).
 _TINY = KimiConfig(
@@ -412,6 +475,7 @@ _TINY = KimiConfig(
 
 PRESETS: dict[str, KimiConfig] = {
     "kimi-k2.5": _KIMI_K25,
+    "moonlight-16b-a3b": _MOONLIGHT,
     "tiny": _TINY,
     "tiny-dsv3": _TINY.replace(
         n_group=4,

@@ -65,6 +65,7 @@ def hf_config(cfg: KimiConfig, dtype=jnp.bfloat16) -> dict[str, Any]:
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "n_shared_experts": cfg.n_shared_experts,
         "first_k_dense_replace": cfg.first_k_dense_replace,
+        "num_nextn_predict_layers": 0,  # MTP layers are not exported (HF's default would be 1)
         "moe_layer_freq": 1,
         "n_group": cfg.n_group,
         "topk_group": cfg.topk_group,
@@ -133,9 +134,7 @@ def hf_tensors(cfg: KimiConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> d
         t = {
             "input_layernorm.weight": p["input_norm"],
             "post_attention_layernorm.weight": p["post_attn_norm"],
-            "self_attn.q_a_proj.weight": np.asarray(a["q_a"]).T,
-            "self_attn.q_a_layernorm.weight": a["q_a_norm"],
-            "self_attn.q_b_proj.weight": _rows(a["q_b_nope"], a["q_b_rope"]),
+            **_query_tensors(cfg, a),
             "self_attn.kv_a_proj_with_mqa.weight": np.concatenate(
                 [np.asarray(a["kv_a_latent"]), np.asarray(a["kv_a_rope"])], axis=1
             ).T,
@@ -155,6 +154,17 @@ def hf_tensors(cfg: KimiConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> d
             for proj in ("gate", "up", "down"):
                 out.update(_experts(cfg, pre, proj, m[proj], cast))
     return out
+
+
+def _query_tensors(cfg: KimiConfig, a: dict[str, Any]) -> dict[str, Any]:
+    """The query projection(s): q_a / q_a_layernorm / q_b with a query latent, a single q_proj without one."""
+    if not cfg.q_lora:
+        return {"self_attn.q_proj.weight": _rows(a["q_nope"], a["q_rope"])}
+    return {
+        "self_attn.q_a_proj.weight": np.asarray(a["q_a"]).T,
+        "self_attn.q_a_layernorm.weight": a["q_a_norm"],
+        "self_attn.q_b_proj.weight": _rows(a["q_b_nope"], a["q_b_rope"]),
+    }
 
 
 def _rows(*parts_INH) -> np.ndarray:

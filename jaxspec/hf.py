@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,13 @@ SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 TEXT_PREFIX = "language_model."
 
 
+# safetensors dtype names per kind of tensor: float weights (FP8 ones are dequantised by the reader) and integers.
+DTYPE_KINDS = {
+    "float": ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"),
+    "int": ("I64", "I32", "I16", "I8", "U8"),
+}
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not match the config; the message lists every problem at once."""
 
@@ -35,19 +42,26 @@ class SafetensorsDir:
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.path / f for name, f in weight_map.items()}
+            self.files = {name: self.path / f for name, f in _read_index(index).items()}
+            root = self.path.resolve()
+            outside = sorted({str(f) for f in self.files.values() if not f.resolve().is_relative_to(root)})
+            if outside:
+                raise CheckpointError(f"{index}: weight_map points outside the checkpoint directory: {outside}")
+            missing_files = sorted({str(f) for f in self.files.values() if not f.is_file()})
+            if missing_files:
+                raise FileNotFoundError(f"{index} refers to missing shard files: {missing_files}")
+            for f in sorted(set(self.files.values())):  # each header once: the index must agree with the files
+                listed = {n for n, g in self.files.items() if g == f}
+                absent = sorted(listed - set(_header_names(f)))
+                if absent:
+                    raise CheckpointError(f"{index}: maps {absent[:5]} to {f.name}, which does not contain them")
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files or index in {self.path}")
             self.files = {}
             for f in files:
-                with safe_open(f, "numpy") as h:
-                    self.files.update((name, f) for name in h.keys())
-        missing_files = sorted({str(f) for f in self.files.values() if not f.is_file()})
-        if missing_files:
-            raise FileNotFoundError(f"index refers to missing shard files: {missing_files}")
+                self.files.update((name, f) for name in _header_names(f))
         self._handles: dict[Path, Any] = {}
 
     def names(self) -> list[str]:
@@ -62,8 +76,31 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it ("BF16", "F32", "I32", ...)."""
+        return self._open(name).get_slice(name).get_dtype()
+
     def get(self, name: str) -> np.ndarray:
         return self._open(name).get_tensor(name)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from e
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: expected an object with a 'weight_map' of tensor name -> file name")
+    return weight_map
+
+
+def _header_names(f: Path) -> list[str]:
+    try:
+        with safe_open(f, "numpy") as h:
+            return list(h.keys())
+    except Exception as e:  # safetensors raises its own error types, which name no file
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
 
 
 def text_names(ckpt: SafetensorsDir) -> tuple[dict[str, str], int]:
@@ -92,13 +129,22 @@ def _attn_table(cfg: KimiConfig) -> list[tuple[tuple[str, ...], str, tuple[int, 
     def heads(rows: int, lo: int, hi: int) -> Transform:  # [N*rows, in] -> [in, N, hi-lo]
         return lambda w: w.reshape(N, rows, -1)[:, lo:hi].transpose(2, 0, 1)
 
+    if cfg.q_lora:
+        query = [
+            (("attn", "q_a"), "self_attn.q_a_proj.weight", (Q, D), T),
+            (("attn", "q_a_norm"), "self_attn.q_a_layernorm.weight", (Q,), ident),
+            (("attn", "q_b_nope"), "self_attn.q_b_proj.weight", (N * (H + R), Q), heads(H + R, 0, H)),
+            (("attn", "q_b_rope"), "self_attn.q_b_proj.weight", (N * (H + R), Q), heads(H + R, H, H + R)),
+        ]
+    else:
+        query = [
+            (("attn", "q_nope"), "self_attn.q_proj.weight", (N * (H + R), D), heads(H + R, 0, H)),
+            (("attn", "q_rope"), "self_attn.q_proj.weight", (N * (H + R), D), heads(H + R, H, H + R)),
+        ]
     return [
         (("input_norm",), "input_layernorm.weight", (D,), ident),
         (("post_attn_norm",), "post_attention_layernorm.weight", (D,), ident),
-        (("attn", "q_a"), "self_attn.q_a_proj.weight", (Q, D), T),
-        (("attn", "q_a_norm"), "self_attn.q_a_layernorm.weight", (Q,), ident),
-        (("attn", "q_b_nope"), "self_attn.q_b_proj.weight", (N * (H + R), Q), heads(H + R, 0, H)),
-        (("attn", "q_b_rope"), "self_attn.q_b_proj.weight", (N * (H + R), Q), heads(H + R, H, H + R)),
+        *query,
         (("attn", "kv_a_latent"), "self_attn.kv_a_proj_with_mqa.weight", (C + R, D), lambda w: w[:C].T),
         (("attn", "kv_a_rope"), "self_attn.kv_a_proj_with_mqa.weight", (C + R, D), lambda w: w[C:].T),
         (("attn", "kv_a_norm"), "self_attn.kv_a_layernorm.weight", (C,), ident),
@@ -147,7 +193,8 @@ class _Reader:
         self.used: set[str] = set()
         self.problems: list[str] = []
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    def get(self, name: str, shape: tuple[int, ...], kind: str = "float") -> np.ndarray | None:
+        """The tensor, or None after recording why not; `kind` is "float" (weights, scales) or "int" (packed)."""
         if name not in self.names:
             self.problems.append(f"missing tensor {name} (expected shape {list(shape)})")
             return None
@@ -155,6 +202,10 @@ class _Reader:
         actual = self.ckpt.shape(self.names[name])
         if actual != tuple(shape):
             self.problems.append(f"{name}: expected shape {list(shape)}, got {list(actual)}")
+            return None
+        stored = self.ckpt.dtype(self.names[name])
+        if stored not in DTYPE_KINDS[kind]:
+            self.problems.append(f"{name}: expected a {kind} dtype ({'/'.join(DTYPE_KINDS[kind])}), got {stored}")
             return None
         return self.ckpt.get(self.names[name])
 
@@ -188,17 +239,35 @@ def read_params(path: str | Path, cfg: KimiConfig, *, int4_experts: bool, dtype:
         per_layer = [_read_layer(reader, cfg, i, moe, int4_experts, cast) for i in layers]
         params[stack] = _stack(per_layer, Int4Array)
 
-    unexpected = sorted(n for n in set(reader.names) - reader.used if not _is_ignorable(n, cfg))
+    unexpected = sorted(n for n in set(reader.names) - reader.used if not _is_ignorable(n, cfg, reader.names))
     problems = reader.problems + [f"unexpected tensor {n}" for n in unexpected]
     if problems:
         raise CheckpointError(f"{path}: {len(problems)} problem(s) with the checkpoint:\n  " + "\n  ".join(problems))
     return params
 
 
-def _is_ignorable(name: str, cfg: KimiConfig) -> bool:
-    # DeepSeek-V3 ships an MTP layer (model.layers.61.*) that the text model does not use; rotary buffers too.
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return bool(m and int(m.group(1)) >= cfg.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
+# What a DeepSeek-V3 multi-token-prediction layer holds: a full decoder layer plus its own norms, projection, and
+# (copies of) the embedding and head. FP8 checkpoints add a weight_scale_inv per matrix.
+_MTP_SUFFIX = re.compile(
+    r"(input_layernorm|post_attention_layernorm|enorm|hnorm|eh_proj|embed_tokens|shared_head\.(norm|head)"
+    r"|self_attn\.(q_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj|o_proj)"
+    r"|mlp\.(gate_proj|up_proj|down_proj|gate|shared_experts\.(gate|up|down)_proj|experts\.\d+\.(gate|up|down)_proj))"
+    r"\.(weight|weight_scale_inv|e_score_correction_bias|weight_packed|weight_scale|weight_shape)"
+)
+
+
+def _is_ignorable(name: str, cfg: KimiConfig, names: Collection[str] | None = None) -> bool:
+    """Rotary buffers, and the tensors of the config's MTP layers (model.layers.{L .. L+n-1}), which the text model
+    does not use. Anything else past the last decoder layer is unexpected: weights for layers the config lacks.
+    With `names` (every tensor in the checkpoint), an MTP layer must also hold its defining `eh_proj`, so a config
+    whose num_hidden_layers is one short is not mistaken for one with an MTP layer."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+    L = cfg.num_hidden_layers
+    if not (m and L <= int(m.group(1)) < L + cfg.num_nextn_predict_layers and _MTP_SUFFIX.fullmatch(m.group(2))):
+        return False
+    return names is None or f"model.layers.{m.group(1)}.eh_proj.weight" in names
 
 
 def _read_layer(reader: _Reader, cfg: KimiConfig, layer: int, moe: bool, int4: bool, cast) -> dict[str, Any]:
@@ -230,9 +299,9 @@ def _read_experts(reader: _Reader, cfg: KimiConfig, layer: int, proj: str, int4:
             mats.append(None if w is None else w.T)
             continue
         g = cfg.quant.group_size
-        packed = reader.get(f"{base}.weight_packed", (out_f, in_f // 8))
+        packed = reader.get(f"{base}.weight_packed", (out_f, in_f // 8), "int")
         scale = reader.get(f"{base}.weight_scale", (out_f, in_f // g))
-        shape = reader.get(f"{base}.weight_shape", (2,))
+        shape = reader.get(f"{base}.weight_shape", (2,), "int")
         if shape is not None and tuple(int(s) for s in shape) != (out_f, in_f):
             reader.problems.append(f"{base}.weight_shape: expected [{out_f}, {in_f}], got {shape.tolist()}")
         if packed is None or scale is None:

@@ -33,8 +33,42 @@ def make_mesh(shape: str | Sequence[int] | None = None, devices: Sequence[jax.De
     devices = list(jax.devices() if devices is None else devices)
     data, model = parse_shape(shape) if shape is not None else (1, len(devices))
     if data * model != len(devices):
-        raise ValueError(f"mesh shape {data}x{model} needs {data * model} devices, {len(devices)} available")
+        hint = (
+            f"; to use a subset pass devices=jax.devices()[:{data * model}] (CLI: --devices {data * model})"
+            if data * model < len(devices)
+            else ""
+        )
+        raise ValueError(f"mesh shape {data}x{model} needs {data * model} devices, {len(devices)} available{hint}")
     return Mesh(np.asarray(devices).reshape(data, model), AXES, axis_types=(AxisType.Explicit,) * 2)
+
+
+def parse_devices(spec: str) -> list[int]:
+    """Device ids named by `spec`: a count ("4": ids 0-3), ids ("0,2,4,6") or ranges ("4-7"); distinct, >= 0."""
+    text = spec.strip()
+    try:
+        if "," in text or "-" in text:
+            ids = []
+            for part in text.split(","):
+                lo, _, hi = part.partition("-")
+                ids += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+        else:
+            ids = list(range(int(text)))
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"devices: expected a count like '4', distinct ids like '0,2,4,6' or a range like '4-7', got {spec!r}"
+        )
+    return ids
+
+
+def select_devices(spec: str, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices `spec` names (see `parse_devices`), from `devices` (default: all of them)."""
+    devices = list(jax.devices() if devices is None else devices)
+    ids = parse_devices(spec)
+    if max(ids) >= len(devices):
+        raise ValueError(f"devices {spec!r}: ids must be in [0, {len(devices)}) ({len(devices)} devices)")
+    return [devices[i] for i in ids]
 
 
 def init_distributed(

@@ -33,7 +33,7 @@ def test_inspect_counts_collectives_of_a_verify_step(tmp_path, capsys):
 
 
 def test_unknown_collective_preset():
-    with pytest.raises(ValueError, match="unknown collective preset 'fast'"):
+    with pytest.raises(SystemExit, match="unknown collective preset 'fast'"):
         main(["--collective-preset", "fast", "predict"])
 
 

@@ -131,3 +131,84 @@ def test_bad_quantization_config():
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json not found"):
         KimiConfig.from_pretrained(tmp_path)
+
+
+# Moonlight-16B-A3B's config.json as published (moonshotai/Moonlight-16B-A3B), every field.
+MOONLIGHT = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 11264,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 8192,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "num_nextn_predict_layers": 0,
+    "pretraining_tp": 1,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.446,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+
+
+def test_moonlight_config_reads_as_the_preset():
+    assert KimiConfig.from_hf_config(MOONLIGHT) == KimiConfig.preset("moonlight-16b-a3b")
+
+
+def test_mtp_layer_count_is_read():
+    assert KimiConfig.from_hf_config({**MOONLIGHT, "num_nextn_predict_layers": 1}).num_nextn_predict_layers == 1
+    mtp = {**{k: v for k, v in MOONLIGHT.items() if k != "num_nextn_predict_layers"}, "num_mtp_layers": 2}
+    assert KimiConfig.from_hf_config(mtp).num_nextn_predict_layers == 2  # transformers 5 spelling
+
+
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        ({"model_type": "deepseek_v2"}, r"^model_type: 'deepseek_v2' is not supported"),
+        ({"attention_bias": True}, r"^attention_bias: only false is supported"),
+        ({"rope_interleave": False}, r"^rope_interleave: only true is supported"),
+        ({"q_lora_rank": 0}, r"^q_lora_rank: expected a positive integer, got 0"),
+        ({"q_lora_rank": "big"}, r"^q_lora_rank: expected an integer"),
+        ({"rope_theta": -5.0}, r"^rope_theta: expected a positive finite number"),
+        ({"num_nextn_predict_layers": -1}, r"^num_nextn_predict_layers: expected an integer >= 0"),
+        ({"n_routed_experts": 4, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 1}, r"^n_group: .*at least 2"),
+    ],
+)
+def test_unsupported_fields_are_named(changes, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        KimiConfig.from_hf_config({**MOONLIGHT, **changes})
+
+
+def test_q_lora_rank_must_be_stated():
+    cfg = {k: v for k, v in MOONLIGHT.items() if k != "q_lora_rank"}
+    with pytest.raises(ConfigError, match=r"^q_lora_rank: required field missing .*null for q_proj"):
+        KimiConfig.from_hf_config(cfg)

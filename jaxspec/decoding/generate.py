@@ -65,6 +65,10 @@ def _loop_for(target, drafter) -> SpecLoop:
 
 
 def _prompt_ids(prompts, tokenizer) -> list[list[int]]:
+    if isinstance(prompts, np.ndarray):  # [T] or [B, T] of ids
+        if prompts.ndim not in (1, 2):
+            raise ValueError(f"prompts: a numpy array must be [T] or [B, T] token ids, got shape {prompts.shape}")
+        prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -82,6 +86,24 @@ def _prompt_ids(prompts, tokenizer) -> list[list[int]]:
             raise ValueError(f"prompts[{i}]: expected a flat list of integer token ids, got {ids.dtype} {ids.shape}")
         out.append([int(t) for t in ids])
     return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def _check_seed_and_stop(seed: Any, stop: Any, vocab_size: int) -> list[int]:
+    """Validate `seed` and `stop` (extra stop ids) before anything is traced; returns the stop ids as ints."""
+    if not _is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed: expected an integer in [0, 2**32), got {seed!r}")
+    if stop is None:
+        return []
+    if isinstance(stop, str | bytes) or not isinstance(stop, Sequence | np.ndarray):
+        raise ValueError(f"stop: expected a list of token ids, got {stop!r}")
+    bad = [s for s in stop if not _is_int(s) or not 0 <= s < vocab_size]
+    if bad:
+        raise ValueError(f"stop: token ids must be integers in [0, vocab_size={vocab_size}), got {bad!r}")
+    return [int(s) for s in stop]
 
 
 def generate(
@@ -120,6 +142,7 @@ def generate(
     if isinstance(stream_cycles, bool) or not isinstance(stream_cycles, int) or stream_cycles < 1:
         raise ValueError(f"stream_cycles: expected an integer >= 1, got {stream_cycles!r}")
     cfg = target.config
+    stop = _check_seed_and_stop(seed, stop, cfg.vocab_size)
     ids = _prompt_ids(prompts, tokenizer)
     for i, p in enumerate(ids):
         if min(p) < 0 or max(p) >= cfg.vocab_size:
@@ -134,7 +157,7 @@ def generate(
             f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + num_steps {num_steps} exceeds the "
             f"context of {cfg.max_position_embeddings} positions"
         )
-    stop_ids = set(cfg.stop_token_ids) | set(stop or ()) | set(getattr(tokenizer, "stop_ids", ()) or ())
+    stop_ids = set(cfg.stop_token_ids) | set(stop) | set(getattr(tokenizer, "stop_ids", ()) or ())
 
     data = target.mesh.shape[DATA]
     # Small batches to powers of two, larger ones to multiples of 8 (bounded padding); always whole data shards.
@@ -161,7 +184,7 @@ def generate(
         "prompt_len_B": jax.device_put(prompt_len, rep),
         "max_new_B": jax.device_put(np.full((batch,), max_new_tokens, np.int32), rep),
         "pad_B": jax.device_put(pad, rep),
-        "key": jax.device_put(jax.random.key(seed), rep),
+        "key": jax.device_put(jax.random.key(int(seed)), rep),
     }
     start = time.perf_counter()
     state = loop.prefill(loop_cfg, target.params, dparams, target.init_cache(batch, buffer), draft_cache, state_in)

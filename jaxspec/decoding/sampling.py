@@ -52,7 +52,10 @@ def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     vocab = logits.shape[-1]
     if sampling.greedy:
         return jnp.where(jax.nn.one_hot(jnp.argmax(logits, -1), vocab, dtype=bool), 0.0, -jnp.inf)
-    logits = logits / sampling.temperature
+    # Shift by the max before dividing: a tiny temperature (1e-38, or one that is 0 in float32) would otherwise turn
+    # the logits into inf (NaN after softmax). The max stays exactly 0; the rest go to finite values or -inf.
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(shifted == 0, 0.0, shifted / jnp.float32(sampling.temperature))
     top_k = min(sampling.top_k or vocab, vocab)
     if top_k < vocab or sampling.top_p < 1:
         logits = jnp.where(_keep(logits, top_k, sampling.top_p), logits, -jnp.inf)

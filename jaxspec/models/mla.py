@@ -30,10 +30,14 @@ class MLA(nnx.Module):
     def __init__(self, cfg: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         D, Q, C = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
         N, H, R, A = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.q_a = param(rngs, (D, Q), ("embed", "q_lora"), dtype)
-        self.q_a_norm = param(rngs, (Q,), ("q_lora",), dtype, ones)
-        self.q_b_nope = param(rngs, (Q, N, H), ("q_lora", "heads", None), dtype)
-        self.q_b_rope = param(rngs, (Q, N, R), ("q_lora", "heads", None), dtype)
+        if cfg.q_lora:
+            self.q_a = param(rngs, (D, Q), ("embed", "q_lora"), dtype)
+            self.q_a_norm = param(rngs, (Q,), ("q_lora",), dtype, ones)
+            self.q_b_nope = param(rngs, (Q, N, H), ("q_lora", "heads", None), dtype)
+            self.q_b_rope = param(rngs, (Q, N, R), ("q_lora", "heads", None), dtype)
+        else:  # q_lora_rank null: one q_proj straight from the hidden state (DeepSeek-V2-Lite, Moonlight)
+            self.q_nope = param(rngs, (D, N, H), ("embed", "heads", None), dtype)
+            self.q_rope = param(rngs, (D, N, R), ("embed", "heads", None), dtype)
         self.kv_a_latent = param(rngs, (D, C), ("embed", "kv_lora"), dtype)
         self.kv_a_rope = param(rngs, (D, R), ("embed", None), dtype)
         self.kv_a_norm = param(rngs, (C,), ("kv_lora",), dtype, ones)
@@ -55,11 +59,8 @@ class MLA(nnx.Module):
         C = self.kv_a_norm.shape[0]
 
         with jax.named_scope("q"):
-            q_lat_BTQ = rms_norm(ein("BTD,DQ->BTQ", x_BTD, self.q_a[...]), self.q_a_norm[...], LATENT_NORM_EPS)
-            q_nope_BTNH = ein("BTQ,QNH->BTNH", q_lat_BTQ, self.q_b_nope[...])
-            q_rope_BTNR = rope.apply_interleaved(
-                ein("BTQ,QNR->BTNR", q_lat_BTQ, self.q_b_rope[...]), cos[:, :, None], sin[:, :, None]
-            )
+            q_nope_BTNH, q_rope_BTNR = self._queries(x_BTD)
+            q_rope_BTNR = rope.apply_interleaved(q_rope_BTNR, cos[:, :, None], sin[:, :, None])
         with jax.named_scope("kv_latent"):
             latent_BTC = rms_norm(
                 ein("BTD,DC->BTC", x_BTD, self.kv_a_latent[...]), self.kv_a_norm[...], LATENT_NORM_EPS
@@ -97,6 +98,13 @@ class MLA(nnx.Module):
                 raise ValueError(f"attention impl must be 'expanded' or 'absorbed', got {impl!r}")
         out_BTD = ein("BTNA,NAD->BTD", out_BTNA, self.o[...], dtype=jnp.float32)
         return out_BTD, cache_BSK
+
+    def _queries(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q_nope [B,T,N,H], q_rope before rotation [B,T,N,R]) through the query latent, or q_proj without one."""
+        if not hasattr(self, "q_a"):
+            return ein("BTD,DNH->BTNH", x_BTD, self.q_nope[...]), ein("BTD,DNR->BTNR", x_BTD, self.q_rope[...])
+        q_lat_BTQ = rms_norm(ein("BTD,DQ->BTQ", x_BTD, self.q_a[...]), self.q_a_norm[...], LATENT_NORM_EPS)
+        return ein("BTQ,QNH->BTNH", q_lat_BTQ, self.q_b_nope[...]), ein("BTQ,QNR->BTNR", q_lat_BTQ, self.q_b_rope[...])
 
 
 def _softmax(scores_BNTS: jax.Array, mask_BTS: jax.Array, scale: float) -> jax.Array:
