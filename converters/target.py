@@ -24,7 +24,6 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm import tqdm
 
-from converters.fp8 import Fp8DequantizedDir, dequantized_config, fp8_block
 from jaxspec.checkpoint import (
     FORMAT,
     MARKER,
@@ -39,9 +38,9 @@ from jaxspec.checkpoint import (
     stack_of,
 )
 from jaxspec.config import KimiConfig
+from jaxspec.fp8 import dequantized_config, fp8_block, open_checkpoint
 from jaxspec.hf import (
     CheckpointError,
-    SafetensorsDir,
     _expert_names,
     _is_ignorable,
     _layer_table,
@@ -82,7 +81,7 @@ def convert_target(
     src, dst = Path(src), Path(dst)
     if (dst / MARKER).is_file():
         raise FileExistsError(f"{dst} already holds a complete conversion ({MARKER}); remove it to convert again")
-    cfg, reader, dequantized = open_source(src)
+    cfg, reader, dequantized = open_source(src, dtype)
     int4 = cfg.quant is not None
     mtp = check_names(reader, cfg, int4, src)
 
@@ -144,18 +143,15 @@ def convert_target(
     return report
 
 
-def open_source(src: Path) -> tuple[KimiConfig, _Reader, dict[str, Any] | None]:
-    """(config, lazy reader, dequantised config.json or None): FP8 block checkpoints are read dequantised."""
+def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, _Reader, dict[str, Any] | None]:
+    """(config, lazy reader, dequantised config.json or None): FP8 block checkpoints are read dequantised to `dtype`
+    (one rounding of the float32 product, as DeepSeek's `weight_dequant`)."""
     raw_path = src / "config.json"
     if not raw_path.is_file():
         raise FileNotFoundError(f"config.json not found in {src}")
     raw = json.loads(raw_path.read_text())
-    block = fp8_block(raw)
-    if block is None:
-        cfg, ckpt, dequantized = KimiConfig.from_pretrained(src), SafetensorsDir(src), None
-    else:
-        dequantized = dequantized_config(raw)
-        cfg, ckpt = KimiConfig.from_hf_config(dequantized), Fp8DequantizedDir(src, block)
+    cfg, ckpt = KimiConfig.from_hf_config(raw), open_checkpoint(src, np.dtype(jnp.dtype(dtype)))
+    dequantized = dequantized_config(raw) if fp8_block(raw) is not None else None
     root = src.resolve()
     outside = sorted({str(f) for f in ckpt.files.values() if not f.resolve().is_relative_to(root)})
     if outside:
@@ -232,7 +228,7 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
     """
     src, dst = Path(src), Path(dst)
     plan = json.loads((dst / PLAN).read_text())
-    cfg, reader, _ = open_source(src)
+    cfg, reader, _ = open_source(src, plan["dtype"])
     int4 = cfg.quant is not None
     n = cfg.num_hidden_layers
     # First, last, first MoE and middle layer, in that priority.
@@ -265,7 +261,7 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _caster(dtype: np.dtype):
-    return lambda a: None if a is None else np.asarray(a).astype(dtype)
+    return lambda a: None if a is None else np.asarray(a).astype(dtype, copy=False)
 
 
 def _flat(tree: dict, prefix: tuple = ()):
@@ -324,7 +320,7 @@ def _copy_small_files(src: Path, dst: Path) -> None:
 
 def _release_mappings(reader: _Reader) -> None:
     """Close the safetensors handles: their memory maps would otherwise keep every page read so far resident."""
-    reader.ckpt._handles.clear()
+    reader.ckpt.release()
 
 
 def _remove_partial(target: Path) -> None:
