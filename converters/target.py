@@ -10,6 +10,7 @@ written last.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -88,6 +89,7 @@ def convert_target(
     plan = {"format": FORMAT, "version": VERSION, "source": str(src.resolve()), "dtype": dtype, "int4_experts": int4}
     plan["dequantized_fp8"] = dequantized is not None
     plan["groups"] = group_names(cfg)
+    plan["source_files"] = source_fingerprint(src, reader.ckpt.files.values())
     _write_or_check_plan(dst, plan)
     _copy_small_files(src, dst)
     if dequantized is not None:  # the stored weights are no longer FP8: drop the quantization_config
@@ -294,10 +296,31 @@ def _leaves(v) -> list:
     return [v.packed, v.scale] if hasattr(v, "packed") else [v]
 
 
+def source_fingerprint(src: Path, weight_files) -> dict[str, list]:
+    """{file: [size, mtime_ns, sha256 of its safetensors header]} for config.json and every weight file: a resumed
+    conversion must read the same files its finished groups were read from (hashing the data would read it all)."""
+    out = {}
+    for f in sorted({Path(f) for f in weight_files} | {src / "config.json", *src.glob("*.index.json")}):
+        st = f.stat()
+        with open(f, "rb") as h:
+            head = h.read(8)
+            if f.suffix == ".safetensors" and len(head) == 8:
+                head += h.read(int.from_bytes(head, "little"))
+        out[f.relative_to(src).as_posix()] = [st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()]
+    return out
+
+
 def _write_or_check_plan(dst: Path, plan: dict) -> None:
     path = dst / PLAN
     if path.is_file():
         old = json.loads(path.read_text())
+        was, now = old.get("source_files", {}), plan["source_files"]
+        changed = sorted(f for f in set(was) | set(now) if was.get(f) != now.get(f))
+        if changed and old.get("source") == plan["source"]:
+            raise ValueError(
+                f"{dst} holds a partial conversion of {plan['source']}, whose files changed since it started "
+                f"({', '.join(changed)}); its finished groups may be stale: delete {dst} and convert again"
+            )
         if old != plan:
             diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
             raise ValueError(
