@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,7 @@ def convert_target(
         desc="convert",
         disable=not progress,
     )
-    ck = ocp.StandardCheckpointer()
+    ck = _writer()
     written, cast = [], _caster(np.dtype(jnp.dtype(dtype)))
 
     def saved(name: str | None) -> None:
@@ -120,19 +121,29 @@ def convert_target(
         if on_group_written is not None:
             on_group_written(name)
 
+    def load(name: str) -> dict[str, Any]:
+        tree = flatten_int4(read_group(reader, cfg, name, int4, cast))
+        reader.ckpt.release()
+        if reader.problems:
+            raise CheckpointError(f"{src}: problem(s) while reading {name}:\n  " + "\n  ".join(reader.problems))
+        return tree
+
+    # One reader thread runs a group ahead: group i+1 is read while Orbax writes group i (its threads), and no more
+    # than those two groups are in host memory.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-convert-read")
     try:
-        for name in todo:
-            tree = flatten_int4(read_group(reader, cfg, name, int4, cast))  # overlaps the previous group's write
-            _release_mappings(reader)
-            if reader.problems:
-                raise CheckpointError(f"{src}: problem(s) while reading {name}:\n  " + "\n  ".join(reader.problems))
-            saved(written[-1] if written else None)  # at most two groups in host memory
+        ahead = pool.submit(load, todo[0]) if todo else None
+        for i, name in enumerate(todo):
+            tree = ahead.result()
+            saved(written[-1] if written else None)
+            ahead = pool.submit(load, todo[i + 1]) if i + 1 < len(todo) else None
             _remove_partial(group_dir(dst, name))
-            ck.save(group_dir(dst, name), tree)
+            ck.save(group_dir(dst, name), args=ocp.args.PyTreeSave(tree))
             written.append(name)
             del tree
         saved(written[-1] if written else None)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         ck.close()
     report = ConvertReport(written, done, reader.skipped, mtp, sum(sizes[g] for g in written))
@@ -310,6 +321,16 @@ def source_fingerprint(src: Path, weight_files) -> dict[str, list]:
     return out
 
 
+def _writer() -> ocp.AsyncCheckpointer:
+    """Orbax's async pytree writer without its two CPU costs that buy nothing here: zstd (weights barely compress)
+    and the defensive copy of every host array (a group's arrays are never touched again once handed over)."""
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)), (np.number, th.ScalarHandler())
+    )
+    return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry))
+
+
 def _write_or_check_plan(dst: Path, plan: dict) -> None:
     path = dst / PLAN
     if path.is_file():
@@ -339,11 +360,6 @@ def _copy_small_files(src: Path, dst: Path) -> None:
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and not item.name.endswith(".index.json"):
             shutil.copy2(item, dst / item.name)
-
-
-def _release_mappings(reader: _Reader) -> None:
-    """Close the safetensors handles: their memory maps would otherwise keep every page read so far resident."""
-    reader.ckpt.release()
 
 
 def _remove_partial(target: Path) -> None:

@@ -7,8 +7,8 @@ Its value is `float32(w) * scale_inv` of its block, rounded once to the compute 
 model holds the dequantised weights, so it costs what the same model in `dtype` costs (bf16: twice the FP8 bytes).
 Reading dequantises one tensor at a time: the transient is that tensor in float32 plus its output.
 
-`MappedSafetensorsDir` reads tensors as views into a read-only memory map of their file (no copy, every dtype
-including float8: numpy's safetensors backend cannot read F8_E4M3). `open_checkpoint` picks the reader for a
+`RawSafetensorsDir` reads each tensor with one positioned read into its array (every dtype, including float8:
+numpy's safetensors backend cannot read F8_E4M3). `open_checkpoint` picks the reader for a
 checkpoint directory from its config.json; `load_target` and `jaxspec-convert` both use it.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -83,33 +84,34 @@ def open_checkpoint(path: str | Path, dtype=np.float32) -> SafetensorsDir:
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     block = fp8_block(raw)
-    return MappedSafetensorsDir(path) if block is None else Fp8DequantizedDir(path, block, dtype)
+    return RawSafetensorsDir(path) if block is None else Fp8DequantizedDir(path, block, dtype)
 
 
-class MappedSafetensorsDir(SafetensorsDir):
-    """Tensors as read-only views into a memory map of their file: no copy until the caller makes one.
+class RawSafetensorsDir(SafetensorsDir):
+    """Reads each tensor with one positioned read straight into its array (the one copy a read needs; every dtype).
 
-    `release()` drops the maps (their resident pages would otherwise accumulate over a long read).
+    The headers are parsed once per file; `release()` closes the files.
     """
 
     def __init__(self, path: str | Path):
         super().__init__(path)
-        self._maps: dict[Path, tuple[np.memmap, int, dict[str, Any]]] = {}
+        self._files: dict[Path, tuple[int, int, dict[str, Any]]] = {}  # path -> (fd, data start, header)
 
-    def _map(self, name: str) -> tuple[np.memmap, int, dict[str, Any]]:
+    def _open_raw(self, name: str) -> tuple[int, int, dict[str, Any]]:
         f = self.files[name]
-        if f not in self._maps:
+        if f not in self._files:
+            fd = os.open(f, os.O_RDONLY)
             try:
-                with open(f, "rb") as h:
-                    (n,) = struct.unpack("<Q", h.read(8))
-                    header = json.loads(h.read(n))
+                (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+                header = json.loads(os.pread(fd, n, 8))
             except (struct.error, ValueError, UnicodeDecodeError) as e:
+                os.close(fd)
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
-            self._maps[f] = (np.memmap(f, np.uint8, mode="r"), 8 + n, header)
-        return self._maps[f]
+            self._files[f] = (fd, 8 + n, header)
+        return self._files[f]
 
     def _info(self, name: str) -> dict[str, Any]:
-        _, _, header = self._map(name)
+        header = self._open_raw(name)[2]
         if name not in header:
             raise CheckpointError(f"{self.files[name]}: tensor {name} is listed in the index but not in this file")
         return header[name]
@@ -118,21 +120,35 @@ class MappedSafetensorsDir(SafetensorsDir):
         return tuple(self._info(name)["shape"])
 
     def get(self, name: str) -> np.ndarray:
-        mm, start, _ = self._map(name)
+        fd, start, _ = self._open_raw(name)
         info = self._info(name)
         if info["dtype"] not in DTYPES:
             raise CheckpointError(f"{name}: dtype {info['dtype']} is not supported (expected one of {list(DTYPES)})")
         dtype, (lo, hi) = np.dtype(DTYPES[info["dtype"]]), info["data_offsets"]
-        if hi - lo != math.prod(info["shape"]) * dtype.itemsize or start + hi > mm.shape[0]:
+        if hi - lo != math.prod(info["shape"]) * dtype.itemsize:
             raise CheckpointError(f"{self.files[name]}: tensor {name} has bad data offsets [{lo}, {hi}]")
-        return mm[start + lo : start + hi].view(dtype).reshape(info["shape"])
+        out = np.empty(info["shape"], dtype)
+        view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+        while done < hi - lo:  # a single read returns at most ~2 GiB on Linux
+            n = os.preadv(fd, [view[done:]], start + lo + done)
+            if n == 0:
+                raise CheckpointError(f"{self.files[name]}: file ends inside tensor {name}")
+            done += n
+        return out
 
     def release(self) -> None:
-        self._maps.clear()
+        """Close the files (and safetensors handles) opened so far."""
+        for fd, _, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
         self._handles.clear()
 
+    def __del__(self) -> None:
+        if hasattr(self, "_files"):  # absent when __init__ failed
+            self.release()
 
-class Fp8DequantizedDir(MappedSafetensorsDir):
+
+class Fp8DequantizedDir(RawSafetensorsDir):
     """Presents each FP8 weight dequantised to `dtype` and hides its scale tensor."""
 
     def __init__(self, path: str | Path, block: tuple[int, int], dtype=np.float32):
