@@ -144,8 +144,10 @@ class RawSafetensorsDir(SafetensorsDir):
         self._handles.clear()
 
     def __del__(self) -> None:
-        if hasattr(self, "_files"):  # absent when __init__ failed
+        try:
             self.release()
+        except (AttributeError, TypeError):  # __init__ failed, or the interpreter is already tearing `os` down
+            pass
 
 
 class Fp8DequantizedDir(RawSafetensorsDir):

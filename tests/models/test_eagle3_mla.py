@@ -134,18 +134,38 @@ def test_matches_reference_first_and_cached_steps(drafter_ckpt, target, inputs):
     assert rel_err(got2, want2.numpy()) < 1e-4
 
 
-def test_eight_devices_match_and_greedy_drafting_equals_plain(drafter_ckpt, hf_target, inputs):
-    target8 = load_target(hf_target[0], mesh=make_mesh("1x8"), dtype=jnp.float32)
+@pytest.fixture(scope="module")
+def target8(hf_target):
+    return load_target(hf_target[0], mesh=make_mesh("1x8"), dtype=jnp.float32)
+
+
+def test_eight_devices_match_reference(drafter_ckpt, target8, inputs):
     drafter = load_drafter(drafter_ckpt[0], target8, dtype=jnp.float32)
     assert drafter.split.heads  # 8 heads over 8 devices
     ids, aux = inputs
     with torch.no_grad():
         want, _ = drafter_ckpt[1](torch.from_numpy(ids), aux, torch.arange(T)[None])
     assert rel_err(drafter.logits(aux.numpy(), ids), want.numpy()) < 1e-4
-    prompts = [[5, 9, 200, 17], [3, 4, 5, 6, 7, 8]]
-    plain = generate(target8, None, prompts, max_new_tokens=12, num_steps=0)
-    spec = generate(target8, drafter, prompts, max_new_tokens=12, num_steps=3)
+
+
+PROMPTS = [[5, 9, 200, 17], [3, 4, 5, 6, 7, 8]]
+
+
+def _greedy_drafting_equals_plain(target, drafter_path):
+    drafter = load_drafter(drafter_path, target, dtype=jnp.float32)
+    plain = generate(target, None, PROMPTS, max_new_tokens=12, num_steps=0)
+    spec = generate(target, drafter, PROMPTS, max_new_tokens=12, num_steps=3)
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.slow  # two loop compiles (~45 s on 2 cores); the drafter's loop entry points are checked above
+def test_greedy_drafting_equals_plain(drafter_ckpt, target):
+    _greedy_drafting_equals_plain(target, drafter_ckpt[0])
+
+
+@pytest.mark.slow
+def test_greedy_drafting_equals_plain_on_eight_devices(drafter_ckpt, target8):
+    _greedy_drafting_equals_plain(target8, drafter_ckpt[0])
 
 
 def test_export_round_trip(drafter_ckpt, target, tmp_path):
