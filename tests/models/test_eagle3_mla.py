@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from transformers import DeepseekV3ForCausalLM, DynamicCache
 
+from converters.__main__ import main as convert_main
 from jaxspec import ConfigError, generate
 from jaxspec.drafter import load_drafter, save_drafter
 from jaxspec.target import load_target
@@ -168,7 +169,7 @@ def test_greedy_drafting_equals_plain_on_eight_devices(drafter_ckpt, target8):
     _greedy_drafting_equals_plain(target8, drafter_ckpt[0])
 
 
-def test_export_round_trip(drafter_ckpt, target, tmp_path):
+def test_export_round_trip(drafter_ckpt, hf_target, target, tmp_path):
     drafter = load_drafter(drafter_ckpt[0], target, dtype=jnp.float32)
     with pytest.raises(ValueError, match="MLA drafter is written as 'mla'"):
         save_drafter(drafter, tmp_path / "x", format="sglang")
@@ -181,6 +182,11 @@ def test_export_round_trip(drafter_ckpt, target, tmp_path):
     want = dict(nnx.to_flat_state(drafter.params))
     for path, var in nnx.to_flat_state(again.params):
         np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want[path].get_value()), str(path))
+    # The CLI writes the same files (the target's decoder layers stay abstract there).
+    args = ["--src", str(drafter_ckpt[0]), "--target", str(hf_target[0]), "--dst", str(tmp_path / "cli")]
+    assert convert_main(["export-drafter", *args, "--format", "mla", "--dtype", "float32"]) == 0
+    a, b = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "cli" / "model.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_bad_mla_configs_are_named(target):
