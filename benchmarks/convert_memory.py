@@ -7,7 +7,9 @@ For each size, in the same run and on the same disk, with the source's pages evi
 each measurement (posix_fadvise DONTNEED on those files only; everything is os.sync()ed first):
   read     a plain sequential read of the source files (16 MiB reads): the physical limit of any conversion;
   copy     the same files copied into the work directory, then synced: reading plus writing as many bytes;
-  convert  `convert_target` in a fresh process, then synced.
+  convert  `convert_target` in a fresh process, then synced (with --baseline: also with older code, same files).
+Wall-clock rates on a shared machine follow its load; the CPU seconds per GB each conversion used (all its threads)
+do not, and show the work it does per byte.
 Writes benchmarks/results/convert_memory.json and prints a table. The synthetic tensors are random values in the HF
 DeepSeek-V3 layout, stored in --dtype and converted to it (INT4 packing does not change the streaming behaviour).
 """
@@ -28,12 +30,14 @@ CHILD = r"""
 import json, os, resource, sys, time
 from converters.target import convert_target
 src, dst, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+before = resource.getrusage(resource.RUSAGE_SELF)
 start = time.perf_counter()
 result = convert_target(src, dst, dtype=dtype, progress=False)
 os.sync()
 seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "bytes_written": result.bytes_written,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+use = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": seconds, "bytes_written": result.bytes_written, "cpu_seconds": use.ru_utime + use.ru_stime - before.ru_utime - before.ru_stime,
+                  "peak_rss_bytes": use.ru_maxrss * 1024}))
 """
 
 
@@ -91,15 +95,15 @@ def evict(files: list[Path]) -> None:
             os.close(fd)
 
 
-def sequential_read(files: list[Path]) -> float:
-    """Seconds to read `files` start to end with 16 MiB reads into one buffer."""
+def sequential_read(files: list[Path]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) to read `files` start to end with 16 MiB reads into one buffer."""
     buf = memoryview(bytearray(1 << 24))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for f in files:
         with open(f, "rb", buffering=0) as h:
             while h.readinto(buf):
                 pass
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def copy_files(files: list[Path], dst: Path) -> float:
@@ -117,7 +121,7 @@ def measure(work: Path, layers: int, args: argparse.Namespace) -> dict:
     size = write_synthetic(src, layers, args.experts, args.hidden, args.dtype)
     files = sorted(src.glob("*.safetensors"))
     evict(files)
-    read_s = sequential_read(files)
+    read_s, read_cpu = sequential_read(files)
     evict(files)
     copy_s = copy_files(files, work / f"copy{layers}")
     shutil.rmtree(work / f"copy{layers}")
@@ -132,7 +136,10 @@ def measure(work: Path, layers: int, args: argparse.Namespace) -> dict:
         "copy_gb_per_s": size / copy_s / 1e9,
         "gb_per_s": size / r["seconds"] / 1e9,
         "fraction_of_read": read_s / r["seconds"],
+        "read_cpu_seconds": read_cpu,
+        "cpu_seconds_per_gb": r["cpu_seconds"] / (size / 1e9),
         **({} if base is None else {"baseline_gb_per_s": size / base["seconds"] / 1e9, "baseline": base}),
+        **({} if base is None else {"baseline_cpu_seconds_per_gb": base["cpu_seconds"] / (size / 1e9)}),
     }
 
 
@@ -172,8 +179,14 @@ def main() -> None:
             f" | {r['gb_per_s']:12.3f} | {r['fraction_of_read']:7.0%} | {r['peak_rss_bytes'] / 1e9:11.2f}"
         )
     for r in rows:
+        print(f"{r['layers']} layers: conversion uses {r['cpu_seconds_per_gb']:.1f} CPU s/GB", end="")
         if "baseline_gb_per_s" in r:
-            print(f"{r['layers']} layers: baseline {r['baseline_gb_per_s']:.3f} GB/s -> {r['gb_per_s']:.3f} GB/s")
+            print(
+                f"; baseline {r['baseline_gb_per_s']:.3f} GB/s -> {r['gb_per_s']:.3f} GB/s, "
+                f"{r['baseline_cpu_seconds_per_gb']:.1f} -> {r['cpu_seconds_per_gb']:.1f} CPU s/GB",
+                end="",
+            )
+        print()
     growth = rows[1]["peak_rss_bytes"] / rows[0]["peak_rss_bytes"]
     print(f"peak RSS ratio (2x layers / 1x): {growth:.2f}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
