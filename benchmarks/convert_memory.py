@@ -36,7 +36,8 @@ result = convert_target(src, dst, dtype=dtype, progress=False)
 os.sync()
 seconds = time.perf_counter() - start
 use = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"seconds": seconds, "bytes_written": result.bytes_written, "cpu_seconds": use.ru_utime + use.ru_stime - before.ru_utime - before.ru_stime,
+cpu = use.ru_utime + use.ru_stime - before.ru_utime - before.ru_stime
+print(json.dumps({"seconds": seconds, "bytes_written": result.bytes_written, "cpu_seconds": cpu,
                   "peak_rss_bytes": use.ru_maxrss * 1024}))
 """
 
