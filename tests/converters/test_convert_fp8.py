@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from converters.target import convert_target
 from jaxspec import CheckpointError, ConfigError, load_target
+from jaxspec.fp8 import open_checkpoint
 
 BLOCK = 16  # small blocks, so tiny weights span several (and partial: 40 rows = 2.5 blocks)
 LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
@@ -106,3 +107,24 @@ def test_fp8_scale_of_wrong_shape_is_reported(fp8_dir, tmp_path):
     for load in (lambda: convert_target(fp8_dir, tmp_path / "out", progress=False), lambda: load_target(fp8_dir)):
         with pytest.raises(CheckpointError, match=r"q_a_proj\.weight_scale_inv: expected shape \[2, 4\]"):
             load()
+
+
+def test_raw_reader_reads_every_dtype_as_safetensors_does(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        f"t.{dt}": (torch.randn(3, 5, generator=gen) * 4).to(dt)
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int8, torch.uint8, torch.bool)
+    }
+    tensors["t.e4m3"] = torch.randn(4, 6, generator=gen).to(torch.float8_e4m3fn)
+    tensors["t.scalar_like"] = torch.ones(1)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    reader = open_checkpoint(tmp_path)
+    assert sorted(reader.names()) == sorted(tensors)
+    for name, t in tensors.items():
+        got = reader.get(name)
+        assert reader.shape(name) == tuple(t.shape) and got.shape == tuple(t.shape), name
+        want = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        have = got.view(np.uint8) if t.dtype == torch.float8_e4m3fn else got
+        np.testing.assert_array_equal(have, want.float().numpy() if t.dtype == torch.bfloat16 else want.numpy())
+    reader.release()
