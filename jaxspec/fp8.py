@@ -1,15 +1,16 @@
-"""FP8 block-quantised checkpoints (DeepSeek-V3, Kimi-K2-Instruct) read dequantised, and zero-copy safetensors reads.
+"""FP8 block-quantised checkpoints (DeepSeek-V3, Kimi-K2-Instruct) read dequantised; one-read safetensors reads.
 
 FP8 layout: every quantised linear weight `X.weight` is float8 e4m3 [out, in] with `X.weight_scale_inv` float32
 [ceil(out/br), ceil(in/bc)] (br x bc = `quantization_config.weight_block_size`, 128x128 in the published models).
 Its value is `float32(w) * scale_inv` of its block, rounded once to the compute dtype: DeepSeek's own
 `weight_dequant` (an fp32 product stored in the default dtype). Kept-as-float8 weights are not implemented; the
 model holds the dequantised weights, so it costs what the same model in `dtype` costs (bf16: twice the FP8 bytes).
-Reading dequantises one tensor at a time: the transient is that tensor in float32 plus its output.
+Reading dequantises one tensor at a time, one block row at a time: the transient beyond the tensor in `dtype` is
+one block row in float32.
 
 `RawSafetensorsDir` reads each tensor with one positioned read into its array (every dtype, including float8:
-numpy's safetensors backend cannot read F8_E4M3). `open_checkpoint` picks the reader for a
-checkpoint directory from its config.json; `load_target` and `jaxspec-convert` both use it.
+numpy's safetensors backend cannot read F8_E4M3). `open_checkpoint` picks the reader for a checkpoint directory
+from its config.json; `load_target` and `jaxspec-convert` both use it.
 """
 
 from __future__ import annotations
