@@ -1,35 +1,49 @@
-"""Conversion throughput and peak host memory: a synthetic Kimi-shaped checkpoint (few layers, many experts)
-converted with N and 2N layers, each in a fresh process. Peak RSS must not grow with the layer count.
+"""Conversion throughput against the disk, and peak host memory: a synthetic Kimi-shaped checkpoint (few layers,
+many experts) converted with N and 2N layers, each in a fresh process. Peak RSS must not grow with the layer count.
 
-    python benchmarks/convert_memory.py [--layers 4] [--experts 64] [--hidden 1024] [--work DIR]
+    python benchmarks/convert_memory.py [--layers 4] [--experts 64] [--hidden 1024] [--dtype bfloat16] [--work DIR]
 
-Writes benchmarks/results/convert_memory.json and prints a table. The synthetic tensors are random float32 in the
-HF DeepSeek-V3 layout (bf16-equivalent structure; INT4 packing does not change the streaming behaviour).
+For each size, in the same run and on the same disk, with the source's pages evicted from the page cache before
+each measurement (posix_fadvise DONTNEED on those files only; everything is os.sync()ed first):
+  read     a plain sequential read of the source files (16 MiB reads): the physical limit of any conversion;
+  copy     the same files copied into the work directory, then synced: reading plus writing as many bytes;
+  convert  `convert_target` in a fresh process, then synced (with --baseline: also with older code, same files).
+Wall-clock rates on a shared machine follow its load; the CPU seconds per GB each conversion used (all its threads)
+do not, and show the work it does per byte.
+Writes benchmarks/results/convert_memory.json and prints a table. The synthetic tensors are random values in the HF
+DeepSeek-V3 layout, stored in --dtype and converted to it (INT4 packing does not change the streaming behaviour).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
 from converters.target import convert_target
-src, dst = sys.argv[1], sys.argv[2]
+src, dst, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+before = resource.getrusage(resource.RUSAGE_SELF)
 start = time.perf_counter()
-result = convert_target(src, dst, dtype="float32", progress=False)
+result = convert_target(src, dst, dtype=dtype, progress=False)
+os.sync()
 seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "bytes_written": result.bytes_written,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+use = resource.getrusage(resource.RUSAGE_SELF)
+cpu = use.ru_utime + use.ru_stime - before.ru_utime - before.ru_stime
+print(json.dumps({"seconds": seconds, "bytes_written": result.bytes_written, "cpu_seconds": cpu,
+                  "peak_rss_bytes": use.ru_maxrss * 1024}))
 """
 
 
-def write_synthetic(path: Path, layers: int, experts: int, hidden: int) -> int:
+def write_synthetic(path: Path, layers: int, experts: int, hidden: int, dtype: str = "float32") -> int:
+    import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -53,7 +67,8 @@ def write_synthetic(path: Path, layers: int, experts: int, hidden: int) -> int:
     cfg = KimiConfig.from_pretrained(path)
     rng = np.random.default_rng(0)
     D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.moe_intermediate_size
-    rand = lambda shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    rand = lambda shape: rng.standard_normal(shape, dtype=np.float32).astype(np_dtype)  # noqa: E731
     weight_map: dict[str, str] = {}
     top = {"model.embed_tokens.weight": rand((V, D)), "model.norm.weight": rand((D,)), "lm_head.weight": rand((V, D))}
     save_file(top, path / "top.safetensors")
@@ -70,42 +85,115 @@ def write_synthetic(path: Path, layers: int, experts: int, hidden: int) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+def evict(files: list[Path]) -> None:
+    """Drop these files' pages from the page cache (after a sync, so none is dirty)."""
+    os.sync()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read(files: list[Path]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) to read `files` start to end with 16 MiB reads into one buffer."""
+    buf = memoryview(bytearray(1 << 24))
+    start, cpu = time.perf_counter(), time.process_time()
+    for f in files:
+        with open(f, "rb", buffering=0) as h:
+            while h.readinto(buf):
+                pass
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def copy_files(files: list[Path], dst: Path) -> float:
+    """Seconds to copy `files` into `dst` and sync them to disk."""
+    dst.mkdir(parents=True)
+    start = time.perf_counter()
+    for f in files:
+        shutil.copyfile(f, dst / f.name)
+    os.sync()
+    return time.perf_counter() - start
+
+
+def measure(work: Path, layers: int, args: argparse.Namespace) -> dict:
+    src, dst = work / f"src{layers}", work / f"dst{layers}"
+    size = write_synthetic(src, layers, args.experts, args.hidden, args.dtype)
+    files = sorted(src.glob("*.safetensors"))
+    evict(files)
+    read_s, read_cpu = sequential_read(files)
+    evict(files)
+    copy_s = copy_files(files, work / f"copy{layers}")
+    shutil.rmtree(work / f"copy{layers}")
+    r = convert(src, dst, files, args.dtype, None)
+    base = convert(src, dst, files, args.dtype, args.baseline) if args.baseline else None
+    shutil.rmtree(src)
+    return {
+        "layers": layers,
+        "source_bytes": size,
+        **r,
+        "read_gb_per_s": size / read_s / 1e9,
+        "copy_gb_per_s": size / copy_s / 1e9,
+        "gb_per_s": size / r["seconds"] / 1e9,
+        "fraction_of_read": read_s / r["seconds"],
+        "read_cpu_seconds": read_cpu,
+        "cpu_seconds_per_gb": r["cpu_seconds"] / (size / 1e9),
+        **({} if base is None else {"baseline_gb_per_s": size / base["seconds"] / 1e9, "baseline": base}),
+        **({} if base is None else {"baseline_cpu_seconds_per_gb": base["cpu_seconds"] / (size / 1e9)}),
+    }
+
+
+def convert(src: Path, dst: Path, files: list[Path], dtype: str, code: str | None) -> dict:
+    """Convert in a fresh process (with the code checked out at `code` first on the path, if given)."""
+    evict(files)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [code, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-c", CHILD, str(src), str(dst), dtype]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    shutil.rmtree(dst)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4, help="the small run; the large one has twice as many")
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="source and output dtype")
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one, removed after)")
+    p.add_argument("--baseline", default=None, help="a checkout of older code to convert with too (before/after)")
     p.add_argument("--output", default="benchmarks/results/convert_memory.json")
     args = p.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="jaxspec_convert_bench_"))
-    rows = []
     try:
-        for layers in (args.layers, 2 * args.layers):
-            src, dst = work / f"src{layers}", work / f"dst{layers}"
-            size = write_synthetic(src, layers, args.experts, args.hidden)
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, str(src), str(dst)], check=True, capture_output=True, text=True
-            )
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append(
-                {"layers": layers, "source_bytes": size, **r, "gb_per_s": r["bytes_written"] / r["seconds"] / 1e9}
-            )
-            shutil.rmtree(src)
-            shutil.rmtree(dst)
+        rows = [measure(work, layers, args) for layers in (args.layers, 2 * args.layers)]
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"{'layers':>6} | {'source GB':>9} | {'GB/s':>6} | {'peak RSS GB':>11}")
+    print(
+        f"{'layers':>6} | {'source GB':>9} | {'read GB/s':>9} | {'copy GB/s':>9} | {'convert GB/s':>12} | "
+        f"{'of read':>7} | {'peak RSS GB':>11}"
+    )
     for r in rows:
-        gb, rss = r["source_bytes"] / 1e9, r["peak_rss_bytes"] / 1e9
-        print(f"{r['layers']:>6} | {gb:9.2f} | {r['gb_per_s']:6.3f} | {rss:11.2f}")
+        print(
+            f"{r['layers']:>6} | {r['source_bytes'] / 1e9:9.2f} | {r['read_gb_per_s']:9.3f} | {r['copy_gb_per_s']:9.3f}"
+            f" | {r['gb_per_s']:12.3f} | {r['fraction_of_read']:7.0%} | {r['peak_rss_bytes'] / 1e9:11.2f}"
+        )
+    for r in rows:
+        print(f"{r['layers']} layers: conversion uses {r['cpu_seconds_per_gb']:.1f} CPU s/GB", end="")
+        if "baseline_gb_per_s" in r:
+            print(
+                f"; baseline {r['baseline_gb_per_s']:.3f} GB/s -> {r['gb_per_s']:.3f} GB/s, "
+                f"{r['baseline_cpu_seconds_per_gb']:.1f} -> {r['cpu_seconds_per_gb']:.1f} CPU s/GB",
+                end="",
+            )
+        print()
     growth = rows[1]["peak_rss_bytes"] / rows[0]["peak_rss_bytes"]
     print(f"peak RSS ratio (2x layers / 1x): {growth:.2f}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(
-        json.dumps({"rows": rows, "peak_rss_ratio": growth, "experts": args.experts, "hidden": args.hidden}, indent=2)
-    )
+    command = "python benchmarks/convert_memory.py " + " ".join(sys.argv[1:])
+    result = {"command": command.strip(), "rows": rows, "peak_rss_ratio": growth, **vars(args)}
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.output}")
 
 

@@ -2,8 +2,8 @@
 
 jaxspec-convert target --src HF_DIR --dst OUT [--mesh 1x8] [--dtype bfloat16] [--verify]
     HF safetensors target -> Orbax checkpoint (resumable: rerun the same command after an interruption)
-jaxspec-convert export-drafter --src DRAFTER_DIR --target TARGET --dst OUT --format sglang|speculators
-    an EAGLE-3 drafter -> SGLang/SpecForge or speculators (vLLM) layout
+jaxspec-convert export-drafter --src DRAFTER_DIR --target TARGET --dst OUT --format sglang|speculators|mla
+    an EAGLE-3 drafter -> SGLang/SpecForge or speculators (vLLM) layout; an MLA drafter -> its own (mla)
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--format",
         required=True,
-        choices=["sglang", "speculators"],
-        help="output layout: sglang (midlayer.*, layer ids as outputs of k) or speculators/vLLM (layers.0.*, inputs)",
+        choices=["sglang", "speculators", "mla"],
+        help="output layout: sglang (midlayer.*, layer ids as outputs of k) or speculators/vLLM (layers.0.*, inputs) "
+        "for a Llama drafter; mla (Eagle3DeepseekV2ForCausalLM, midlayer.*, ids as inputs) for an MLA drafter",
     )
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight dtype written")
     d.add_argument("--verifier", default=None, help="target name recorded in a speculators config (default --target)")

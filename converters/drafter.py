@@ -1,4 +1,4 @@
-"""Export an EAGLE-3 drafter to the SGLang/SpecForge or speculators (vLLM) layout.
+"""Export an EAGLE-3 drafter to the SGLang/SpecForge or speculators (vLLM) layout (an MLA drafter to its own).
 
 A drafter is checked against its target (hidden size, vocabulary, shared embedding / lm_head), but exporting needs
 only the target's config and its top-level weights: the decoder layers stay abstract (nothing allocated, nothing

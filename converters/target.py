@@ -10,10 +10,12 @@ written last.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,6 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm import tqdm
 
-from converters.fp8 import Fp8DequantizedDir, dequantized_config, fp8_block
 from jaxspec.checkpoint import (
     FORMAT,
     MARKER,
@@ -39,9 +40,9 @@ from jaxspec.checkpoint import (
     stack_of,
 )
 from jaxspec.config import KimiConfig
+from jaxspec.fp8 import dequantized_config, fp8_block, open_checkpoint
 from jaxspec.hf import (
     CheckpointError,
-    SafetensorsDir,
     _expert_names,
     _is_ignorable,
     _layer_table,
@@ -82,13 +83,14 @@ def convert_target(
     src, dst = Path(src), Path(dst)
     if (dst / MARKER).is_file():
         raise FileExistsError(f"{dst} already holds a complete conversion ({MARKER}); remove it to convert again")
-    cfg, reader, dequantized = open_source(src)
+    cfg, reader, dequantized = open_source(src, dtype)
     int4 = cfg.quant is not None
     mtp = check_names(reader, cfg, int4, src)
 
     plan = {"format": FORMAT, "version": VERSION, "source": str(src.resolve()), "dtype": dtype, "int4_experts": int4}
     plan["dequantized_fp8"] = dequantized is not None
     plan["groups"] = group_names(cfg)
+    plan["source_files"] = source_fingerprint(src, reader.ckpt.files.values())
     _write_or_check_plan(dst, plan)
     _copy_small_files(src, dst)
     if dequantized is not None:  # the stored weights are no longer FP8: drop the quantization_config
@@ -105,7 +107,7 @@ def convert_target(
         desc="convert",
         disable=not progress,
     )
-    ck = ocp.StandardCheckpointer()
+    ck = _writer()
     written, cast = [], _caster(np.dtype(jnp.dtype(dtype)))
 
     def saved(name: str | None) -> None:
@@ -119,19 +121,29 @@ def convert_target(
         if on_group_written is not None:
             on_group_written(name)
 
+    def load(name: str) -> dict[str, Any]:
+        tree = flatten_int4(read_group(reader, cfg, name, int4, cast))
+        reader.ckpt.release()
+        if reader.problems:
+            raise CheckpointError(f"{src}: problem(s) while reading {name}:\n  " + "\n  ".join(reader.problems))
+        return tree
+
+    # One reader thread runs a group ahead: group i+1 is read while Orbax writes group i (its threads), and no more
+    # than those two groups are in host memory.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-convert-read")
     try:
-        for name in todo:
-            tree = flatten_int4(read_group(reader, cfg, name, int4, cast))  # overlaps the previous group's write
-            _release_mappings(reader)
-            if reader.problems:
-                raise CheckpointError(f"{src}: problem(s) while reading {name}:\n  " + "\n  ".join(reader.problems))
-            saved(written[-1] if written else None)  # at most two groups in host memory
+        ahead = pool.submit(load, todo[0]) if todo else None
+        for i, name in enumerate(todo):
+            tree = ahead.result()
+            saved(written[-1] if written else None)
+            ahead = pool.submit(load, todo[i + 1]) if i + 1 < len(todo) else None
             _remove_partial(group_dir(dst, name))
-            ck.save(group_dir(dst, name), tree)
+            ck.save(group_dir(dst, name), args=ocp.args.PyTreeSave(tree))
             written.append(name)
             del tree
         saved(written[-1] if written else None)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         ck.close()
     report = ConvertReport(written, done, reader.skipped, mtp, sum(sizes[g] for g in written))
@@ -144,18 +156,15 @@ def convert_target(
     return report
 
 
-def open_source(src: Path) -> tuple[KimiConfig, _Reader, dict[str, Any] | None]:
-    """(config, lazy reader, dequantised config.json or None): FP8 block checkpoints are read dequantised."""
+def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, _Reader, dict[str, Any] | None]:
+    """(config, lazy reader, dequantised config.json or None): FP8 block checkpoints are read dequantised to `dtype`
+    (one rounding of the float32 product, as DeepSeek's `weight_dequant`)."""
     raw_path = src / "config.json"
     if not raw_path.is_file():
         raise FileNotFoundError(f"config.json not found in {src}")
     raw = json.loads(raw_path.read_text())
-    block = fp8_block(raw)
-    if block is None:
-        cfg, ckpt, dequantized = KimiConfig.from_pretrained(src), SafetensorsDir(src), None
-    else:
-        dequantized = dequantized_config(raw)
-        cfg, ckpt = KimiConfig.from_hf_config(dequantized), Fp8DequantizedDir(src, block)
+    cfg, ckpt = KimiConfig.from_hf_config(raw), open_checkpoint(src, np.dtype(jnp.dtype(dtype)))
+    dequantized = dequantized_config(raw) if fp8_block(raw) is not None else None
     root = src.resolve()
     outside = sorted({str(f) for f in ckpt.files.values() if not f.resolve().is_relative_to(root)})
     if outside:
@@ -232,7 +241,7 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
     """
     src, dst = Path(src), Path(dst)
     plan = json.loads((dst / PLAN).read_text())
-    cfg, reader, _ = open_source(src)
+    cfg, reader, _ = open_source(src, plan["dtype"])
     int4 = cfg.quant is not None
     n = cfg.num_hidden_layers
     # First, last, first MoE and middle layer, in that priority.
@@ -265,7 +274,7 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _caster(dtype: np.dtype):
-    return lambda a: None if a is None else np.asarray(a).astype(dtype)
+    return lambda a: None if a is None else np.asarray(a).astype(dtype, copy=False)
 
 
 def _flat(tree: dict, prefix: tuple = ()):
@@ -298,10 +307,41 @@ def _leaves(v) -> list:
     return [v.packed, v.scale] if hasattr(v, "packed") else [v]
 
 
+def source_fingerprint(src: Path, weight_files) -> dict[str, list]:
+    """{file: [size, mtime_ns, sha256 of its safetensors header]} for config.json and every weight file: a resumed
+    conversion must read the same files its finished groups were read from (hashing the data would read it all)."""
+    out = {}
+    for f in sorted({Path(f) for f in weight_files} | {src / "config.json", *src.glob("*.index.json")}):
+        st = f.stat()
+        with open(f, "rb") as h:
+            head = h.read(8)
+            if f.suffix == ".safetensors" and len(head) == 8:
+                head += h.read(int.from_bytes(head, "little"))
+        out[f.relative_to(src).as_posix()] = [st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()]
+    return out
+
+
+def _writer() -> ocp.AsyncCheckpointer:
+    """Orbax's async pytree writer without its two CPU costs that buy nothing here: zstd (weights barely compress)
+    and the defensive copy of every host array (a group's arrays are never touched again once handed over)."""
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)), (np.number, th.ScalarHandler())
+    )
+    return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry))
+
+
 def _write_or_check_plan(dst: Path, plan: dict) -> None:
     path = dst / PLAN
     if path.is_file():
         old = json.loads(path.read_text())
+        was, now = old.get("source_files", {}), plan["source_files"]
+        changed = sorted(f for f in set(was) | set(now) if was.get(f) != now.get(f))
+        if changed and old.get("source") == plan["source"]:
+            raise ValueError(
+                f"{dst} holds a partial conversion of {plan['source']}, whose files changed since it started "
+                f"({', '.join(changed)}); its finished groups may be stale: delete {dst} and convert again"
+            )
         if old != plan:
             diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
             raise ValueError(
@@ -320,11 +360,6 @@ def _copy_small_files(src: Path, dst: Path) -> None:
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and not item.name.endswith(".index.json"):
             shutil.copy2(item, dst / item.name)
-
-
-def _release_mappings(reader: _Reader) -> None:
-    """Close the safetensors handles: their memory maps would otherwise keep every page read so far resident."""
-    reader.ckpt._handles.clear()
 
 
 def _remove_partial(target: Path) -> None:

@@ -341,10 +341,12 @@ def _read_quant(q: Mapping[str, Any] | None) -> Int4Quant | None:
     if not q:
         return None
     method = q.get("quant_method")
+    if method == "fp8":  # block-FP8 weights are dequantised on read (jaxspec/fp8.py): the model is unquantised
+        return None
     if method != "compressed-tensors":
         raise ConfigError(
-            f"quantization_config.quant_method: {method!r} is not supported here (expected 'compressed-tensors'; "
-            "FP8 block checkpoints go through jaxspec-convert)"
+            f"quantization_config.quant_method: {method!r} is not supported (expected 'compressed-tensors' "
+            "INT4 or 'fp8' block quantisation)"
         )
     if q.get("format") not in ("pack-quantized", None):
         raise ConfigError(f"quantization_config.format: expected 'pack-quantized', got {q.get('format')!r}")

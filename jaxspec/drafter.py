@@ -38,14 +38,71 @@ from jaxspec.target import Target
 from sharding.mesh import DATA, MODEL
 from sharding.rules import ShardingRules
 
-Format = Literal["sglang", "speculators"]
-LAYER_PREFIX: dict[str, str] = {"sglang": "midlayer.", "speculators": "layers.0."}
+Format = Literal["sglang", "speculators", "mla"]
+LAYER_PREFIX: dict[str, str] = {"sglang": "midlayer.", "speculators": "layers.0.", "mla": "midlayer."}
 # Tensors some writers add that inference never reads (speculators' frozen verifier copies, rotary buffers).
 IGNORED = ("verifier_norm.weight", "verifier_lm_head.weight")
 
 
 def _table(cfg: Eagle3Config) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(param name, HF name with `{L}` for the layer prefix, HF shape). Ours = HF.T reshaped (vectors as-is)."""
+    """(param name, HF name with `{L}` for the layer prefix, HF shape). Ours = HF.T reshaped (vectors as-is).
+
+    An MLA drafter's attention is not in it (see `_mla_table`)."""
+    rows = _llama_table(cfg)
+    return rows if cfg.mla is None else [r for r in rows if not r[1].startswith("{L}self_attn.")]
+
+
+def _mla_table(cfg: Eagle3Config) -> list[tuple[str, tuple[int, ...], Any, Any]]:
+    """An MLA drafter's attention: (HF name with `{L}`, HF shape, HF -> {param key: ours}, ours (by key) -> HF).
+
+    HF layout as the target's DeepseekV3 attention, with 2D-wide q_a_proj / kv_a_proj_with_mqa inputs."""
+    m, D = cfg.mla, cfg.hidden_size
+    N, H, R, A = m.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    Q, C = m.q_lora_rank, m.kv_lora_rank
+
+    def heads(w, *widths):  # [N * sum(widths), in] -> one [in, N, width] block per width
+        w = w.reshape(N, sum(widths), -1)
+        bounds = np.cumsum((0, *widths))
+        return [w[:, lo:hi].transpose(2, 0, 1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def rows(*parts):  # the inverse: per-head blocks [in, N, h_i] -> [N * sum(h_i), in]
+        w = np.concatenate(parts, axis=-1)
+        return w.transpose(1, 2, 0).reshape(-1, w.shape[0])
+
+    a = "attn."
+    vec = lambda key: (lambda w: {a + key: w}, lambda get: get(a + key))  # noqa: E731
+    return [
+        ("{L}self_attn.q_a_proj.weight", (Q, 2 * D), lambda w: {a + "q_a": w.T}, lambda get: get(a + "q_a").T),
+        ("{L}self_attn.q_a_layernorm.weight", (Q,), *vec("q_a_norm")),
+        (
+            "{L}self_attn.q_b_proj.weight",
+            (N * (H + R), Q),
+            lambda w: dict(zip((a + "q_b_nope", a + "q_b_rope"), heads(w, H, R), strict=True)),
+            lambda get: rows(get(a + "q_b_nope"), get(a + "q_b_rope")),
+        ),
+        (
+            "{L}self_attn.kv_a_proj_with_mqa.weight",
+            (C + R, 2 * D),
+            lambda w: {a + "kv_a_latent": w[:C].T, a + "kv_a_rope": w[C:].T},
+            lambda get: np.concatenate([get(a + "kv_a_latent"), get(a + "kv_a_rope")], axis=1).T,
+        ),
+        ("{L}self_attn.kv_a_layernorm.weight", (C,), *vec("kv_a_norm")),
+        (
+            "{L}self_attn.kv_b_proj.weight",
+            (N * (H + A), C),
+            lambda w: dict(zip((a + "kv_b_k", a + "kv_b_v"), heads(w, H, A), strict=True)),
+            lambda get: rows(get(a + "kv_b_k"), get(a + "kv_b_v")),
+        ),
+        (
+            "{L}self_attn.o_proj.weight",
+            (D, N * A),
+            lambda w: {a + "o": w.reshape(D, N, A).transpose(1, 2, 0)},
+            lambda get: get(a + "o").transpose(2, 0, 1).reshape(D, N * A),
+        ),
+    ]
+
+
+def _llama_table(cfg: Eagle3Config) -> list[tuple[str, str, tuple[int, ...]]]:
     D, F, U = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     NZ, JZ = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     XD = len(cfg.capture_layers) * cfg.target_hidden_size
@@ -101,9 +158,17 @@ class Drafter:
         """Which drafter dimensions are split over the mesh's model axis (those that divide it)."""
         return Split.plan(self.config, self.mesh.shape[MODEL], self.rules)
 
-    def cache_spec(self) -> P:
-        """PartitionSpec of each drafter KV cache array [B, S, O, Z]: batch over data, KV heads over model if split."""
-        return P(self.rules.batch, None, self.rules.heads if self.split.heads else None, None)
+    @property
+    def param_rules(self) -> ShardingRules:
+        """The sharding rules of the drafter's own parameters (heads replicated unless split)."""
+        return self.split.rules_for(self.rules)
+
+    def cache_specs(self) -> tuple[P, ...]:
+        """PartitionSpecs of the cache arrays. Llama (k, v) [B, S, O, Z]: batch over data, KV heads over model if
+        split. MLA (latent [B, S, C+R],): batch over data, the latent shared by all heads."""
+        if self.config.mla is not None:
+            return (P(self.rules.batch, None, None),)
+        return (P(self.rules.batch, None, self.rules.heads if self.split.heads else None, None),) * 2
 
     def apply(
         self,
@@ -126,7 +191,7 @@ class Drafter:
         if hidden.shape != (*tokens_BT.shape, width):
             raise ValueError(f"hidden: expected shape {(*tokens_BT.shape, width)}, got {hidden.shape}")
         batch, split = self.rules.batch, self.split
-        cache_spec = None if cache is None else (self.cache_spec(),) * 2
+        cache_spec = None if cache is None else self.cache_specs()
 
         def local(params, tokens, hidden, pos, cache):
             return nnx.merge(self.graphdef, params)(tokens, hidden, pos, cache, first_step=first_step)
@@ -139,7 +204,7 @@ class Drafter:
             local,
             mesh=self.mesh,
             in_specs=(
-                Target.param_specs(params, self.rules),
+                Target.param_specs(params, self.param_rules),
                 P(batch, None),
                 P(batch, None, None),
                 P(batch, None),
@@ -163,7 +228,7 @@ class Drafter:
         graphdef, abstract = nnx.split(
             nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0)))
         )
-        specs = Target.param_specs(abstract, target.rules)
+        specs = Target.param_specs(abstract, split.rules_for(target.rules))
         shardings = jax.tree.map(lambda spec: NamedSharding(target.mesh, spec), specs)
         make = lambda: nnx.state(Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(seed)))  # noqa: E731
         params = jax.jit(make, out_shardings=shardings)()
@@ -193,11 +258,14 @@ class Drafter:
         return _jit_forward(self, self.params, tokens, jnp.asarray(hidden), pos, cache, first_step)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """Zeroed KV cache: (k, v), each [B, S, kv_heads, head_dim] in the drafter dtype."""
-        cfg = self.config
-        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        sharding = NamedSharding(self.mesh, self.cache_spec())
-        return tuple(jax.device_put(jnp.zeros(shape, self.dtype), sharding) for _ in range(2))
+        """Zeroed cache in the drafter dtype: Llama (k, v), each [B, S, kv_heads, head_dim]; MLA (latent,)
+        [B, S, kv_lora_rank + qk_rope_head_dim]."""
+        cfg, specs = self.config, self.cache_specs()
+        if cfg.mla is not None:
+            shape = (batch, max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+        else:
+            shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return tuple(jax.device_put(jnp.zeros(shape, self.dtype), NamedSharding(self.mesh, s)) for s in specs)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         """Draft-vocabulary ids -> target ids (`id + d2t[id]`); traceable, also inside shard_map."""
@@ -261,14 +329,15 @@ def load_drafter(
     mesh, shared = target.mesh, tuple(k for k in ("embed", "lm_head") if k not in host)
     split = Split.plan(cfg, mesh.shape[MODEL], target.rules)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0))))
+    rules = split.rules_for(target.rules)
 
     def place(path_, var):
         if path_[0] in shared:  # the target's embed [V,D] / lm_head [D,V]: same layout and sharding, no copy
             return path_, var.replace(target.params[path_[0]].get_value())
         expect = var.get_value()
         # From host memory straight to the shards (a device array would be resharded by a compiled program).
-        arr = np.asarray(host[path_[0]].reshape(expect.shape), np.dtype(expect.dtype))
-        spec = target.rules.spec(var.get_metadata()["logical_axes"])
+        arr = np.asarray(host[".".join(map(str, path_))].reshape(expect.shape), np.dtype(expect.dtype))
+        spec = rules.spec(var.get_metadata()["logical_axes"])
         return path_, var.replace(jax.device_put(arr, NamedSharding(mesh, spec)))
 
     params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
@@ -285,7 +354,7 @@ def read_tensors(
     """
     ckpt = SafetensorsDir(path)
     names, used, problems = set(ckpt.names()), set(), []
-    prefixes = [p for p in LAYER_PREFIX.values() if any(n.startswith(p) for n in names)]
+    prefixes = [p for p in dict.fromkeys(LAYER_PREFIX.values()) if any(n.startswith(p) for n in names)]
     if len(prefixes) > 1:
         problems.append(f"both {' and '.join(p + '*' for p in prefixes)} tensors present; expected one layer prefix")
     prefix = prefixes[0] if prefixes else LAYER_PREFIX[cfg.format]
@@ -309,6 +378,10 @@ def read_tensors(
         w = get(name.format(L=prefix), shape, hint)
         if w is not None:
             host[key] = np.asarray(w.T, dtype)
+    for name, shape, to_ours, _ in [] if cfg.mla is None else _mla_table(cfg):
+        w = get(name.format(L=prefix), shape)
+        if w is not None:
+            host.update({key: np.asarray(v, dtype) for key, v in to_ours(w).items()})
     V, U = cfg.vocab_size, cfg.draft_vocab_size
     if "embed_tokens.weight" in names:
         w = get("embed_tokens.weight", (V, cfg.hidden_size))
@@ -359,11 +432,25 @@ def save_drafter(drafter: Drafter, path: str | Path, *, format: Format, verifier
     if format not in LAYER_PREFIX:
         raise ValueError(f"format: expected one of {sorted(LAYER_PREFIX)}, got {format!r}")
     cfg, path = drafter.config, Path(path)
-    host = lambda key: np.asarray(jax.device_get(drafter.params[key].get_value()))  # noqa: E731
+    if (cfg.mla is not None) != (format == "mla"):
+        raise ValueError(
+            f"format: {format!r} cannot hold this drafter (an MLA drafter is written as 'mla', "
+            "Eagle3DeepseekV2ForCausalLM; a Llama drafter as 'sglang' or 'speculators')"
+        )
+
+    def host(key: str) -> np.ndarray:
+        var = drafter.params
+        for k in key.split("."):
+            var = var[k]
+        return np.asarray(jax.device_get(var.get_value()))
+
+    prefix = LAYER_PREFIX[format]
     tensors = {
-        name.format(L=LAYER_PREFIX[format]): np.ascontiguousarray(host(key).reshape(shape[::-1]).T)
+        name.format(L=prefix): np.ascontiguousarray(host(key).reshape(shape[::-1]).T)
         for key, name, shape in _table(cfg)
     }
+    for name, _, _, to_hf in [] if cfg.mla is None else _mla_table(cfg):
+        tensors[name.format(L=prefix)] = np.ascontiguousarray(to_hf(host))
     if "embed" not in drafter.shared:
         tensors["embed_tokens.weight"] = host("embed")
     if drafter.d2t is not None:
@@ -374,6 +461,35 @@ def save_drafter(drafter: Drafter, path: str | Path, *, format: Format, verifier
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config(cfg, format, drafter.dtype, verifier), indent=2) + "\n")
+
+
+def _mla_hf_config(cfg: Eagle3Config, layer: dict[str, Any], dtype_name: str) -> dict[str, Any]:
+    """vLLM's Eagle3DeepseekV2ForCausalLM layout: DeepSeek-V3 attention fields; layer ids as inputs of layer k + 1."""
+    m = cfg.mla
+    rope = None
+    if m.rope_scaling is not None:
+        rope = {"type": "yarn", **{k: v for k, v in dataclasses.asdict(m.rope_scaling).items() if v is not None}}
+    return {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        **{k: v for k, v in layer.items() if k not in ("head_dim", "num_key_value_heads")},
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": m.num_attention_heads,
+        "q_lora_rank": m.q_lora_rank,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": rope,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "torch_dtype": dtype_name,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [k + 1 for k in cfg.capture_layers],
+            "use_aux_hidden_state": True,
+        },
+    }
 
 
 def hf_config(cfg: Eagle3Config, format: Format, dtype=jnp.bfloat16, verifier: str | None = None) -> dict[str, Any]:
@@ -395,6 +511,8 @@ def hf_config(cfg: Eagle3Config, format: Format, dtype=jnp.bfloat16, verifier: s
         "tie_word_embeddings": False,
     }
     rope, dtype_name = cfg.rope.to_hf(), jnp.dtype(dtype).name
+    if format == "mla":
+        return _mla_hf_config(cfg, layer, dtype_name)
     common = {
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,

@@ -215,10 +215,11 @@ def read_params(path: str | Path, cfg: KimiConfig, *, int4_experts: bool, dtype:
 
     Non-expert weights are cast to `dtype`; INT4 experts stay 4-bit (`Int4Array`) with their stored scales.
     """
+    from jaxspec.fp8 import open_checkpoint  # FP8 block weights arrive dequantised to `dtype`
     from jaxspec.models.quant import Int4Array
 
-    reader = _Reader(SafetensorsDir(path))
     dtype = np.dtype(dtype)
+    reader = _Reader(open_checkpoint(path, dtype))
     cast = lambda a: None if a is None else np.asarray(a).astype(dtype)  # noqa: E731
     D, V = cfg.hidden_size, cfg.vocab_size
     params: dict[str, Any] = {

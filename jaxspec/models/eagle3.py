@@ -37,11 +37,15 @@ from jaxspec.config import ConfigError, KimiConfig, RopeScaling, _read_rope
 from jaxspec.models import rope
 from jaxspec.models.kimi import embed_lookup
 from jaxspec.models.layers import ones, param, rms_norm, swiglu
+from jaxspec.models.mla import MLA
 from jaxspec.models.quant import einsum as ein
 from sharding.mesh import MODEL
 from sharding.rules import DEFAULT_RULES, ShardingRules
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# MLA drafters (one DeepSeek-V3 MLA decoder layer; vLLM's `deepseek_eagle3` names them, V3 is an alias).
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+MLA_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "deepseek_v2")
 SPECULATORS_TYPE = "eagle3"
 # Published variant flags this port does not implement (speculators / Eagle 3.1); all default to off.
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "tie_word_embeddings")
@@ -111,7 +115,10 @@ class Eagle3Config:
     capture_layers: tuple[int, ...]  # internal convention: outputs of these target layers, ascending
     capture_convention: Literal["output", "input", "default"]  # how the checkpoint's ids were read
     norm_before_residual: bool = False
-    format: Literal["sglang", "speculators"] = "sglang"
+    format: Literal["sglang", "speculators", "mla"] = "sglang"
+    # An MLA drafter's attention geometry and RoPE (DeepSeek YaRN, interleaved) as a KimiConfig whose hidden_size is
+    # the drafter's; None for the Llama (GQA, rotate-half RoPE) drafter. head_dim/num_key_value_heads/rope are unused.
+    mla: KimiConfig | None = None
 
     @property
     def full_vocab(self) -> bool:
@@ -147,14 +154,24 @@ class Eagle3Config:
                 raise ConfigError("transformer_layer_config: a speculators eagle3 config needs this nested object")
         elif SGLANG_ARCHITECTURE in archs:
             layer, fmt = cfg, "sglang"
+        elif any(a in MLA_ARCHITECTURES for a in archs):
+            layer, fmt = cfg, "mla"
         else:
             raise ConfigError(
                 f"architectures: {archs} is not a supported EAGLE-3 drafter (expected [{SGLANG_ARCHITECTURE!r}] "
-                f"for SGLang/SpecForge, or a speculators config with speculators_model_type {SPECULATORS_TYPE!r})"
+                f"for SGLang/SpecForge, one of {list(MLA_ARCHITECTURES)} for an MLA drafter, or a speculators config "
+                f"with speculators_model_type {SPECULATORS_TYPE!r})"
             )
 
         problems = []
-        for name, expected in (("model_type", "llama"), ("hidden_act", "silu"), ("num_hidden_layers", 1)):
+        if fmt == "mla" and layer.get("model_type", "deepseek_v3") not in MLA_MODEL_TYPES:
+            problems.append(
+                f"model_type: an MLA drafter needs one of {list(MLA_MODEL_TYPES)}, got {layer['model_type']!r}"
+            )
+        checks = (("hidden_act", "silu"), ("num_hidden_layers", 1)) + (
+            (("model_type", "llama"),) if fmt != "mla" else ()
+        )
+        for name, expected in checks:
             if layer.get(name, expected) != expected:
                 problems.append(f"{name}: only {expected!r} is supported, got {layer[name]!r}")
         for name in ("attention_bias", "mlp_bias"):
@@ -174,7 +191,8 @@ class Eagle3Config:
             return layer[name]
 
         D, F, N, V = req("hidden_size"), req("intermediate_size"), req("num_attention_heads"), req("vocab_size")
-        J = layer.get("num_key_value_heads") or N
+        J = N if fmt == "mla" else layer.get("num_key_value_heads") or N
+        mla = _read_mla(layer, target_config, D, N, problems) if fmt == "mla" else None
         if N % J:
             problems.append(f"num_key_value_heads: {J} must divide num_attention_heads={N}")
         U = cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or V
@@ -201,7 +219,7 @@ class Eagle3Config:
             intermediate_size=F,
             num_attention_heads=N,
             num_key_value_heads=J,
-            head_dim=layer.get("head_dim") or D // N,
+            head_dim=mla.qk_head_dim if mla is not None else layer.get("head_dim") or D // N,
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
             vocab_size=V,
             draft_vocab_size=U,
@@ -212,7 +230,39 @@ class Eagle3Config:
             capture_convention=convention,
             norm_before_residual=bool(cfg.get("norm_before_residual") or layer.get("norm_before_residual")),
             format=fmt,
+            mla=mla,
         )
+
+
+def _read_mla(layer: Mapping[str, Any], target: KimiConfig, D: int, N: int, problems: list[str]) -> KimiConfig | None:
+    """The MLA drafter's attention as a KimiConfig (the target's, with the drafter's attention fields)."""
+    if layer.get("q_lora_rank") is None:
+        problems.append("q_lora_rank: an MLA drafter without a query LoRA (q_proj) is not supported")
+        return None
+    fields = {}
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        v = layer.get(name)
+        if type(v) is not int or v <= 0:
+            problems.append(f"{name}: an MLA drafter needs a positive integer, got {v!r}")
+            return None
+        fields[name] = v
+    kv_heads = layer.get("num_key_value_heads", N)
+    if kv_heads != N:
+        problems.append(f"num_key_value_heads: MLA expects {N} (= num_attention_heads), got {kv_heads}")
+    try:
+        theta, scaling = _read_rope(layer)
+        return target.replace(
+            hidden_size=D,
+            num_attention_heads=N,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(layer.get("max_position_embeddings", target.max_position_embeddings)),
+            **fields,
+        )
+    except ConfigError as e:
+        problems.append(str(e))
+        return None
 
 
 def draft_config_for(target: KimiConfig, *, heads: int = 8, kv_heads: int = 4, capture_layers=None) -> Eagle3Config:
@@ -254,9 +304,11 @@ def _capture_layers(
     # Each field's convention. SGLang reads eagle_config ids as outputs (it captures the input of layer k + 1).
     # speculators/vLLM read top-level ids as inputs; in a flat SGLang-style config a top-level list is ambiguous
     # (vLLM reads it as inputs, SGLang ignores it, and SpecForge output ids have been put there too).
+    # MLA drafters (vLLM's Eagle3DeepseekV2ForCausalLM) are served by vLLM, which reads either field as input ids:
+    # the published Kimi-K2.5 MLA drafter's [2, 30, 58] are the inputs of those layers = outputs of [1, 29, 57].
     fields = [
-        ("eagle_config.eagle_aux_hidden_state_layer_ids", nested, "output"),
-        ("eagle_aux_hidden_state_layer_ids", top, "input" if fmt == "speculators" else None),
+        ("eagle_config.eagle_aux_hidden_state_layer_ids", nested, "input" if fmt == "mla" else "output"),
+        ("eagle_aux_hidden_state_layer_ids", top, "input" if fmt in ("speculators", "mla") else None),
     ]
     found = [(field, ids, override or conv) for field, ids, conv in fields if ids]
     if not found:
@@ -337,8 +389,13 @@ class Split:
             vocab=split(rules.vocab, cfg.draft_vocab_size),
         )
 
+    def rules_for(self, rules: ShardingRules) -> ShardingRules:
+        """The rules for this drafter's parameters: "heads" replicated when heads are not split (the MLA module
+        declares its per-head weights with the "heads" axis unconditionally)."""
+        return rules if self.heads else dataclasses.replace(rules, heads=None)
 
-KVCache = tuple[jax.Array, jax.Array]  # (k [B,S,O,Z], v [B,S,O,Z])
+
+KVCache = tuple[jax.Array, ...]  # Llama: (k, v), each [B,S,O,Z]; MLA: (latent [B,S,C+R],)
 
 
 class Eagle3Model(nnx.Module):
@@ -357,17 +414,24 @@ class Eagle3Model(nnx.Module):
         self.fc = param(rngs, (XD, D), (None, "embed"), dtype)
         self.input_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.hidden_norm = param(rngs, (D,), ("embed",), dtype, ones)
-        self.q = param(rngs, (2 * D, N, Z), (None, heads, None), dtype)
-        self.k = param(rngs, (2 * D, O, Z), (None, heads, None), dtype)
-        self.v = param(rngs, (2 * D, O, Z), (None, heads, None), dtype)
-        self.o = param(rngs, (N, Z, D), (heads, None, "embed"), dtype)
+        if cfg.mla is None:
+            self.q = param(rngs, (2 * D, N, Z), (None, heads, None), dtype)
+            self.k = param(rngs, (2 * D, O, Z), (None, heads, None), dtype)
+            self.v = param(rngs, (2 * D, O, Z), (None, heads, None), dtype)
+            self.o = param(rngs, (N, Z, D), (heads, None, "embed"), dtype)
+        else:  # its "heads" axis is replicated through the drafter's rules when heads are not split
+            self.attn = DraftMLA(cfg.mla, dtype, rngs)
         self.post_attn_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.gate = param(rngs, (D, F), ("embed", mlp), dtype)
         self.up = param(rngs, (D, F), ("embed", mlp), dtype)
         self.down = param(rngs, (F, D), (mlp, "embed"), dtype)
         self.final_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.lm_head = param(rngs, (D, U), ("embed", "vocab" if vocab else None), dtype)
-        freqs, self.rope_factor = cfg.rope.inv_freq(Z)
+        if cfg.mla is None:
+            freqs, self.rope_factor = cfg.rope.inv_freq(Z)
+        else:
+            m = cfg.mla
+            freqs, self.rope_factor = rope.inv_freq(m.qk_rope_head_dim, m.rope_theta, m.rope_scaling)
         self.rope_freqs = tuple(float(f) for f in freqs)  # static: keep numpy out of the graph state
 
     def __call__(
@@ -414,6 +478,8 @@ class Eagle3Model(nnx.Module):
         return logits_BTU, h2_BTD, cache
 
     def _attend(self, a_BTW, pos_BT, cache):
+        if self.config.mla is not None:
+            return self._attend_mla(a_BTW, pos_BT, cache)
         B, T, _ = a_BTW.shape
         _, O, Z = self.k.shape  # noqa: E741 (local KV heads)
         P = self.q.shape[1] // O
@@ -437,6 +503,24 @@ class Eagle3Model(nnx.Module):
         p_BOPTS = jax.nn.softmax(s_BOPTS, axis=-1).astype(a_BTW.dtype)
         out_BTNZ = ein("BOPTS,BSOZ->BTOPZ", p_BOPTS, v_BSOZ).reshape(B, T, O * P, Z)
         return ein("BTNZ,NZD->BTD", out_BTNZ, self.o[...], dtype=jnp.float32), cache
+
+    def _attend_mla(self, a_BTW, pos_BT, cache):
+        """The target's MLA over the drafter's latent cache (a 1-tuple: [B, S, kv_lora_rank + qk_rope_head_dim])."""
+        cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
+        impl = "expanded" if cache is None else "absorbed"  # as the target: prefill expanded, cached steps absorbed
+        out_BTD, latent = self.attn(a_BTW, cos_sin, pos_BT, None if cache is None else cache[0], impl)
+        return out_BTD, None if cache is None else (latent,)
+
+
+class DraftMLA(MLA):
+    """The target's MLA module reading the drafter's 2D-wide attention input [embedding | hidden] (q_a_proj and
+    kv_a_proj_with_mqa take 2D inputs, as in vLLM's `deepseek_eagle3`) and writing its D-wide output (o_proj)."""
+
+    def __init__(self, cfg: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        super().__init__(cfg.replace(hidden_size=2 * cfg.hidden_size), dtype, rngs)
+        self.o = param(
+            rngs, (cfg.num_attention_heads, cfg.v_head_dim, cfg.hidden_size), ("heads", None, "embed"), dtype
+        )
 
 
 def concat_captured(captured_XBTD: jax.Array) -> jax.Array:

@@ -58,6 +58,8 @@ def ttt_forward(model: Eagle3Model, tokens_BT: jax.Array, aux_BTI: jax.Array, de
     if depth < 1:
         raise ValueError(f"depth: expected >= 1 TTT steps, got {depth}")
     cfg = model.config
+    if cfg.mla is not None:
+        raise NotImplementedError("training an MLA drafter: the training-time test runs the Llama drafter's attention")
     eps = cfg.rms_norm_eps
     f32 = lambda var: var[...].astype(jnp.float32)  # noqa: E731
     B, T = tokens_BT.shape

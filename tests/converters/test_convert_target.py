@@ -103,6 +103,22 @@ def test_resume_after_interruption_is_identical(int4_k25, tmp_path):
         conv.convert_target(int4_k25, part, progress=False)
 
 
+def test_resume_refuses_a_source_whose_files_changed(int4_k25, tmp_path):
+    src = shutil.copytree(int4_k25, tmp_path / "src")
+
+    def stop(name):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        conv.convert_target(src, tmp_path / "o", progress=False, on_group_written=stop)
+    # Same path, same names and shapes, other values: the finished "top" group no longer matches the source.
+    shard = sorted(src.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    save_file({k: v + 1 if v.dtype.kind == "f" else v for k, v in tensors.items()}, shard)
+    with pytest.raises(ValueError, match=rf"files changed since it started \({shard.name}\)"):
+        conv.convert_target(src, tmp_path / "o", progress=False)
+
+
 def test_rerun_with_other_settings_is_refused(int4_k25, tmp_path):
     def stop(name):
         raise KeyboardInterrupt

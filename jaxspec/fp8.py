@@ -1,0 +1,183 @@
+"""FP8 block-quantised checkpoints (DeepSeek-V3, Kimi-K2-Instruct) read dequantised; one-read safetensors reads.
+
+FP8 layout: every quantised linear weight `X.weight` is float8 e4m3 [out, in] with `X.weight_scale_inv` float32
+[ceil(out/br), ceil(in/bc)] (br x bc = `quantization_config.weight_block_size`, 128x128 in the published models).
+Its value is `float32(w) * scale_inv` of its block, rounded once to the compute dtype: DeepSeek's own
+`weight_dequant` (an fp32 product stored in the default dtype). Kept-as-float8 weights are not implemented; the
+model holds the dequantised weights, so it costs what the same model in `dtype` costs (bf16: twice the FP8 bytes).
+Reading dequantises one tensor at a time, one block row at a time: the transient beyond the tensor in `dtype` is
+one block row in float32.
+
+`RawSafetensorsDir` reads each tensor with one positioned read into its array (every dtype, including float8:
+numpy's safetensors backend cannot read F8_E4M3). `open_checkpoint` picks the reader for a checkpoint directory
+from its config.json; `load_target` and `jaxspec-convert` both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxspec.config import ConfigError
+from jaxspec.hf import CheckpointError, SafetensorsDir
+
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+def fp8_block(raw: dict[str, Any]) -> tuple[int, int] | None:
+    """The FP8 block size from a parsed config.json's quantization_config; None for a non-FP8 checkpoint."""
+    q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if not q or q.get("quant_method") != "fp8":
+        return None
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"quantization_config.fmt: {q.get('fmt')!r} is not supported (expected 'e4m3')")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ConfigError(f"quantization_config.weight_block_size: expected [rows, cols], got {block!r}")
+    return block[0], block[1]
+
+
+def dequantized_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the dequantised model: the FP8 quantization_config removed (top level and text_config)."""
+    out = {k: v for k, v in raw.items() if k != "quantization_config"}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
+    return out
+
+
+def weight_dequant(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype=np.float32) -> np.ndarray:
+    """`float32(w) * scale_inv[block]` rounded once to `dtype` (DeepSeek's `weight_dequant`), one block row at a time
+    so the float32 transient is one block row, not the whole matrix."""
+    (r, c), (br, bc) = w.shape, block
+    out = np.empty((r, c), dtype)
+    for i in range(scale_inv.shape[0]):
+        rows = slice(i * br, min((i + 1) * br, r))
+        out[rows] = w[rows].astype(np.float32) * np.repeat(scale_inv[i].astype(np.float32), bc)[:c]
+    return out
+
+
+def open_checkpoint(path: str | Path, dtype=np.float32) -> SafetensorsDir:
+    """The reader for an HF checkpoint directory: FP8 block weights dequantised to `dtype`, other tensors as stored.
+
+    Raises ConfigError for an FP8 quantization_config this reader does not support.
+    """
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    block = fp8_block(raw)
+    return RawSafetensorsDir(path) if block is None else Fp8DequantizedDir(path, block, dtype)
+
+
+class RawSafetensorsDir(SafetensorsDir):
+    """Reads each tensor with one positioned read straight into its array (the one copy a read needs; every dtype).
+
+    The headers are parsed once per file; `release()` closes the files.
+    """
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        self._files: dict[Path, tuple[int, int, dict[str, Any]]] = {}  # path -> (fd, data start, header)
+
+    def _open_raw(self, name: str) -> tuple[int, int, dict[str, Any]]:
+        f = self.files[name]
+        if f not in self._files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+                header = json.loads(os.pread(fd, n, 8))
+            except (struct.error, ValueError, UnicodeDecodeError) as e:
+                os.close(fd)
+                raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
+            self._files[f] = (fd, 8 + n, header)
+        return self._files[f]
+
+    def _info(self, name: str) -> dict[str, Any]:
+        header = self._open_raw(name)[2]
+        if name not in header:
+            raise CheckpointError(f"{self.files[name]}: tensor {name} is listed in the index but not in this file")
+        return header[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._info(name)["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        fd, start, _ = self._open_raw(name)
+        info = self._info(name)
+        if info["dtype"] not in DTYPES:
+            raise CheckpointError(f"{name}: dtype {info['dtype']} is not supported (expected one of {list(DTYPES)})")
+        dtype, (lo, hi) = np.dtype(DTYPES[info["dtype"]]), info["data_offsets"]
+        if hi - lo != math.prod(info["shape"]) * dtype.itemsize:
+            raise CheckpointError(f"{self.files[name]}: tensor {name} has bad data offsets [{lo}, {hi}]")
+        out = np.empty(info["shape"], dtype)
+        view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+        while done < hi - lo:  # a single read returns at most ~2 GiB on Linux
+            n = os.preadv(fd, [view[done:]], start + lo + done)
+            if n == 0:
+                raise CheckpointError(f"{self.files[name]}: file ends inside tensor {name}")
+            done += n
+        return out
+
+    def release(self) -> None:
+        """Close the files (and safetensors handles) opened so far."""
+        for fd, _, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        self._handles.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except (AttributeError, TypeError):  # __init__ failed, or the interpreter is already tearing `os` down
+            pass
+
+
+class Fp8DequantizedDir(RawSafetensorsDir):
+    """Presents each FP8 weight dequantised to `dtype` and hides its scale tensor."""
+
+    def __init__(self, path: str | Path, block: tuple[int, int], dtype=np.float32):
+        super().__init__(path)
+        self.block, self.dtype = block, np.dtype(dtype)
+        self.scales = {n for n in self.files if n.endswith(SCALE_SUFFIX)}
+        orphans = sorted(n for n in self.scales if n.removesuffix(SCALE_SUFFIX) not in self.files)
+        if orphans:
+            raise CheckpointError(f"{self.path}: scale tensors without their weight: {orphans}")
+
+    def names(self) -> list[str]:
+        return [n for n in self.files if n not in self.scales]
+
+    def get(self, name: str) -> np.ndarray:
+        w = super().get(name)
+        if name + SCALE_SUFFIX not in self.files:
+            if w.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+                raise CheckpointError(f"{name}: a float8 weight without its {name}{SCALE_SUFFIX} tensor")
+            return w
+        scale = super().get(name + SCALE_SUFFIX)
+        if w.ndim != 2:
+            raise CheckpointError(f"{name}: an FP8 block-quantised weight must be 2-D, got shape {list(w.shape)}")
+        (r, c), (br, bc) = w.shape, self.block
+        if scale.shape != (math.ceil(r / br), math.ceil(c / bc)):
+            raise CheckpointError(
+                f"{name}{SCALE_SUFFIX}: expected shape [{math.ceil(r / br)}, {math.ceil(c / bc)}] for weight "
+                f"{list(w.shape)} in {br}x{bc} blocks, got {list(scale.shape)}"
+            )
+        return weight_dequant(w, scale, self.block, self.dtype)
