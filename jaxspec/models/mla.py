@@ -147,6 +147,8 @@ def write_cache(cache_LBSK: jax.Array, layer: jax.Array | int, new_BTK: jax.Arra
 def live_blocks(q_pos_BT: jax.Array, cache_len: int, kv_block: int) -> tuple[jax.Array, int]:
     """(number of blocks to read, block size): blocks of min(kv_block, cache_len) positions covering every position
     up to the longest live row (max query position + 1), capped at the buffer."""
+    if kv_block < 1:
+        raise ValueError(f"kv_block: cache positions per attention block must be >= 1, got {kv_block}")
     blk = min(kv_block, cache_len)
     live = jnp.max(q_pos_BT) + 1
     return jnp.minimum((live + blk - 1) // blk, -(-cache_len // blk)), blk

@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
-from jaxspec import KimiConfig
+from jaxspec import KimiConfig, Target
 from jaxspec.models import rope
 from jaxspec.models.mla import MLA, live_blocks
+from sharding.mesh import make_mesh
 
 CFG = KimiConfig.preset("tiny")
 
@@ -89,3 +91,36 @@ def test_blocked_cache_attention_equals_full_attention(layer, S, blk, starts, T)
         for b, s in enumerate(starts):
             expect[1, b, s : s + T] = cache[1, b, s : s + T]
         np.testing.assert_allclose(new_cache, expect, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+
+def test_live_blocks_rejects_a_bad_block():
+    with pytest.raises(ValueError, match="kv_block"):
+        live_blocks(jnp.zeros((1, 1), jnp.int32), 16, 0)
+
+
+def test_ragged_verify_on_2x4_mesh_reads_only_each_shard_live_blocks():
+    """Tiny target on a 2x4 mesh: each data shard loops over its OWN rows' live blocks. Shard 0 (rows 0, 1) is
+    short, so its cache past its two live blocks is NaN; shard 1 runs into the shifted last block of a 37-position
+    buffer. Logits equal the no-cache forward (HF-checked in test_kimi_parity.py) at every row's positions."""
+    cfg = CFG.replace(num_hidden_layers=2)
+    target = Target.random(cfg, mesh=make_mesh("2x4"), dtype=jnp.float32, seed=4)
+    S, blk, T, starts = 37, 8, 3, np.array([3, 6, 20, 33])
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (4, 36))
+    full = np.asarray(target.logits(tokens))
+
+    step = jax.jit(lambda p, t, q, c: target.apply(p, t, q, c, kv_block=blk)[:2])
+    prefill_pos = np.broadcast_to(np.arange(36), (4, 36))
+    logits, cache = step(target.params, tokens, prefill_pos, target.init_cache(4, S))
+    np.testing.assert_allclose(np.asarray(logits), full, atol=1e-5 * full.std())
+
+    cache = np.array(cache)
+    for b, s in enumerate(starts):  # stale from each row's restart position
+        cache[:, b, s:] = 1e4 * np.random.default_rng(b).standard_normal(cache[:, b, s:].shape)
+    cache[:, :2, 2 * blk :] = np.nan  # shard 0's live length is 6 + 3 = 9: two blocks
+    cache = jax.device_put(cache, NamedSharding(target.mesh, target.cache_spec()))
+    pos = starts[:, None] + np.arange(T)
+    verify = np.stack([tokens[b, s : s + T] for b, s in enumerate(starts)])
+    logits, _ = step(target.params, verify, pos, cache)
+    want = np.stack([full[b, s : s + T] for b, s in enumerate(starts)])
+    assert np.isfinite(np.asarray(logits)).all(), "a data shard read past its own live blocks"
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5 * full.std())
