@@ -35,9 +35,10 @@ _NEG_INF = -1e30
 # sequence is 590 KB, one small DMA on an accelerator.
 KV_BLOCK = 512
 
-# Online-softmax state: running max [B,N,T], running denominator [B,N,T], unnormalised output [B,T,N,X] (fp32).
+# Online-softmax state (fp32): running max [B,N,T], running denominator [B,N,T], unnormalised output [B,T,N,C]
+# (absorbed: over the latent) or [B,T,N,A] (expanded: over per-head values).
 Softmax = tuple[jax.Array, jax.Array, jax.Array]
-# Per KV block [B,S,K] (compute dtype): its scores [B,N,T,S], and a function mixing probabilities into [B,T,N,X].
+# Per KV block [B,S,K] (compute dtype): its scores [B,N,T,S], and a function mixing probabilities into that output.
 BlockFn = Callable[[jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
 
 
@@ -106,10 +107,10 @@ class MLA(nnx.Module):
                 state = attend_live_prefix(
                     cache_LBSK, layer, q_pos_BT, block_fn, init, self.softmax_scale, kv_block, x_BTD.dtype
                 )
-            out_BTNX = _softmax_finish(state, x_BTD.dtype)
+            out_BTNA = _softmax_finish(state, x_BTD.dtype)  # [B,T,N,C] when absorbed
             if impl == "absorbed":
-                out_BTNX = ein("BTNC,CNA->BTNA", out_BTNX, self.kv_b_v[...])
-        out_BTD = ein("BTNA,NAD->BTD", out_BTNX, self.o[...], dtype=jnp.float32)
+                out_BTNA = ein("BTNC,CNA->BTNA", out_BTNA, self.kv_b_v[...])
+        out_BTD = ein("BTNA,NAD->BTD", out_BTNA, self.o[...], dtype=jnp.float32)
         return out_BTD, cache_LBSK
 
     def _absorbed_block(self, q_abs_BTNC: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
@@ -191,18 +192,18 @@ def _online_softmax(
 ) -> Softmax:
     """Fold one block into the running softmax. Masked entries get probability exactly 0 (even in a block where a
     row has no visible position yet), so stale or padded cache entries never contribute."""
-    m_BNT, l_BNT, acc_BTNX = state
+    m_BNT, l_BNT, acc = state
     mask_BNTS = mask_BTS[:, None]
     s_BNTS = jnp.where(mask_BNTS, scores_BNTS.astype(jnp.float32) * scale, _NEG_INF)
     m_new_BNT = jnp.maximum(m_BNT, s_BNTS.max(axis=-1))
     alpha_BNT = jnp.exp(m_BNT - m_new_BNT)
     p_BNTS = jnp.where(mask_BNTS, jnp.exp(s_BNTS - m_new_BNT[..., None]), 0.0)
     l_BNT = l_BNT * alpha_BNT + p_BNTS.sum(axis=-1)
-    mixed_BTNX = mix(p_BNTS.astype(scores_BNTS.dtype)).astype(jnp.float32)
-    acc_BTNX = acc_BTNX * alpha_BNT.transpose(0, 2, 1)[..., None] + mixed_BTNX
-    return m_new_BNT, l_BNT, acc_BTNX
+    mixed = mix(p_BNTS.astype(scores_BNTS.dtype)).astype(jnp.float32)
+    acc = acc * alpha_BNT.transpose(0, 2, 1)[..., None] + mixed
+    return m_new_BNT, l_BNT, acc
 
 
 def _softmax_finish(state: Softmax, dtype: jnp.dtype) -> jax.Array:
-    _, l_BNT, acc_BTNX = state
-    return (acc_BTNX / l_BNT.transpose(0, 2, 1)[..., None]).astype(dtype)
+    _, l_BNT, acc = state
+    return (acc / l_BNT.transpose(0, 2, 1)[..., None]).astype(dtype)
