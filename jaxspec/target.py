@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import KimiConfig
 from jaxspec.models.kimi import KimiModel
-from jaxspec.models.mla import AttnImpl
+from jaxspec.models.mla import KV_BLOCK, AttnImpl
 from jaxspec.models.quant import Int4Array
 from sharding.collectives import sharded_argmax, sharded_top_k
 from sharding.mesh import DATA, MODEL, single_device_mesh
@@ -133,10 +133,12 @@ class Target:
         capture: Sequence[int] = (),
         impl: AttnImpl | None = None,
         head: Head = "logits",
+        kv_block: int = KV_BLOCK,
     ):
         """Sharded forward (traceable; call inside jit). Returns (out, cache, captured [X,B,T,D]) where `out` is
         per `head`: "logits" -> [B,T,V] (vocab-split over the model axis), "argmax" -> greedy ids [B,T],
-        an int k -> top-k (values [B,T,k], ids [B,T,k]). argmax/top-k never gather the vocabulary."""
+        an int k -> top-k (values [B,T,k], ids [B,T,k]). argmax/top-k never gather the vocabulary.
+        With a cache, attention reads only the live prefix, in blocks of `kv_block` positions (see mla.py)."""
         impl = impl or ("absorbed" if tokens_BT.shape[1] <= ABSORBED_MAX_TOKENS else "expanded")
         batch, capture = self.rules.batch, tuple(int(c) for c in capture)
         cache_spec = None if cache_LBSK is None else self.cache_spec()
@@ -151,7 +153,7 @@ class Target:
 
         def local(params, tokens, pos, cache):
             model = nnx.merge(self.graphdef, params)
-            logits, cache, captured = model(tokens, pos, cache, capture=capture, impl=impl)
+            logits, cache, captured = model(tokens, pos, cache, capture=capture, impl=impl, kv_block=kv_block)
             if head == "argmax":
                 logits = sharded_argmax(logits, MODEL)
             elif head != "logits":

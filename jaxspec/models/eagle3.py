@@ -508,8 +508,11 @@ class Eagle3Model(nnx.Module):
         """The target's MLA over the drafter's latent cache (a 1-tuple: [B, S, kv_lora_rank + qk_rope_head_dim])."""
         cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
         impl = "expanded" if cache is None else "absorbed"  # as the target: prefill expanded, cached steps absorbed
-        out_BTD, latent = self.attn(a_BTW, cos_sin, pos_BT, None if cache is None else cache[0], impl)
-        return out_BTD, None if cache is None else (latent,)
+        if cache is None:
+            return self.attn(a_BTW, cos_sin, pos_BT, None, 0, impl)[0], None
+        # MLA takes a layer-stacked cache and a layer index; the drafter's one layer is a stack of one.
+        out_BTD, latent_LBSK = self.attn(a_BTW, cos_sin, pos_BT, cache[0][None], 0, impl)
+        return out_BTD, (latent_LBSK[0],)
 
 
 class DraftMLA(MLA):

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxspec.config import KimiConfig
 from jaxspec.models import quant, rope
 from jaxspec.models.layers import ones, param, rms_norm
-from jaxspec.models.mla import MLA, AttnImpl
+from jaxspec.models.mla import KV_BLOCK, MLA, AttnImpl
 from jaxspec.models.moe import MLP, LayerSlice, MoE, is_routed_weight
 from sharding.mesh import MODEL
 
@@ -39,17 +39,23 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, int4_experts, rngs) if moe else MLP(D, cfg.intermediate_size, dtype, rngs)
         self.eps = cfg.rms_norm_eps
 
-    def __call__(self, x_BTD, cos_sin, pos_BT, cache_BSK, impl: AttnImpl):
+    def __call__(self, x_BTD, cos_sin, pos_BT, cache_LBSK, layer, impl: AttnImpl, kv_block: int = KV_BLOCK):
         B, T, D = x_BTD.shape
         with jax.named_scope("attention"):
-            attn_BTD, cache_BSK = self.attn(
-                rms_norm(x_BTD, self.input_norm[...], self.eps), cos_sin, pos_BT, cache_BSK, impl
+            attn_BTD, cache_LBSK = self.attn(
+                rms_norm(x_BTD, self.input_norm[...], self.eps),
+                cos_sin,
+                pos_BT,
+                cache_LBSK,
+                layer,
+                impl,
+                kv_block=kv_block,
             )
             h_BTD = x_BTD + jax.lax.psum(attn_BTD, MODEL).astype(x_BTD.dtype)
         with jax.named_scope("mlp"):
             y_MD = self.mlp(rms_norm(h_BTD, self.post_attn_norm[...], self.eps).reshape(B * T, D))
             out_BTD = h_BTD + jax.lax.psum(y_MD, MODEL).astype(x_BTD.dtype).reshape(B, T, D)
-        return out_BTD, cache_BSK
+        return out_BTD, cache_LBSK
 
 
 def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -94,8 +100,10 @@ class KimiModel(nnx.Module):
         *,
         capture: Sequence[int] = (),
         impl: AttnImpl = "expanded",
+        kv_block: int = KV_BLOCK,
     ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-        """Per-device forward. Returns (local logits [B,T,V/model], updated cache, captured [X,B,T,D])."""
+        """Per-device forward. Returns (local logits [B,T,V/model], updated cache, captured [X,B,T,D]).
+        `kv_block`: cache positions per block of the live-prefix attention loop (see mla.py)."""
         B, T = tokens_BT.shape
         with jax.named_scope("embed"):
             x_BTD = embed_lookup(self.embed[...], tokens_BT)
@@ -120,10 +128,9 @@ class KimiModel(nnx.Module):
                 layer_params, layer_id = xs
                 view = lambda v: v.replace(LayerSlice(v.get_value(), layer_id - first))  # noqa: E731
                 layer = nnx.merge(graphdef, jax.tree.map(view, experts, is_leaf=_is_var), layer_params)
-                layer_cache = None if cache is None else cache[layer_id]
-                x, layer_cache = layer(x, cos_sin, pos_BT, layer_cache, impl)
-                if cache is not None:
-                    cache = jax.lax.dynamic_update_index_in_dim(cache, layer_cache, layer_id, 0)
+                # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,K] here
+                # would copy the full buffer every layer, however short the live prefix.
+                x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block)
                 captured = jnp.where((capture_X == layer_id)[:, None, None, None], x[None], captured)
                 return (x, cache, captured), None
 

@@ -7,10 +7,16 @@ rotated RoPE key shared by all heads. Two mathematically equal ways to attend ov
   runs directly over the 576-wide latent and nothing per-head is materialised for the cached positions.
 Runs per device inside shard_map: N below is the local head count and the output is a partial sum over the local
 heads; the caller reduces it.
+
+Attention over the live prefix: with a cache, both forms read only the positions up to the longest live sequence in
+the (local) batch, in fixed blocks of `kv_block` positions under a `fori_loop` whose trip count is data-dependent
+(ceil(live / kv_block)), with an online (flash-style) softmax. One compiled program serves every length; each block
+is sliced out of the stacked cache and cast on its own, so a step reads O(live) cache bytes, never O(buffer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -24,6 +30,16 @@ from jaxspec.models.quant import einsum as ein
 
 AttnImpl = Literal["expanded", "absorbed"]
 _NEG_INF = -1e30
+# Cache positions per block of the live-prefix loop. Larger blocks mean fewer loop iterations (each costs a little
+# fixed overhead, notably on GPU) but up to kv_block - 1 dead positions read per step; 512 x 576 bf16 values per
+# sequence is 590 KB, one small DMA on an accelerator.
+KV_BLOCK = 512
+
+# Online-softmax state (fp32): running max [B,N,T], running denominator [B,N,T], unnormalised output [B,T,N,C]
+# (absorbed: over the latent) or [B,T,N,A] (expanded: over per-head values).
+Softmax = tuple[jax.Array, jax.Array, jax.Array]
+# Per KV block [B,S,K] (compute dtype): its scores [B,N,T,S], and a function mixing probabilities into that output.
+BlockFn = Callable[[jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
 
 
 class MLA(nnx.Module):
@@ -51,10 +67,17 @@ class MLA(nnx.Module):
         x_BTD: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
         q_pos_BT: jax.Array,
-        cache_BSK: jax.Array | None,
+        cache_LBSK: jax.Array | None,
+        layer: jax.Array | int,
         impl: AttnImpl,
+        *,
+        kv_block: int = KV_BLOCK,
     ) -> tuple[jax.Array, jax.Array | None]:
-        """Returns (partial attention output [B,T,D] in fp32, updated layer cache or None)."""
+        """Returns (partial attention output [B,T,D] in fp32, updated cache or None).
+
+        `cache_LBSK` is the whole stacked cache (all layers) and `layer` the index of this layer in it: the step
+        writes its T entries there and reads back only live blocks, so no per-layer copy of the buffer is made.
+        """
         cos, sin = cos_sin
         C = self.kv_a_norm.shape[0]
 
@@ -68,36 +91,53 @@ class MLA(nnx.Module):
             k_rope_BTR = rope.apply_interleaved(ein("BTD,DR->BTR", x_BTD, self.kv_a_rope[...]), cos, sin)
             new_BTK = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
 
-        if cache_BSK is None:
-            kv_BSK, kv_pos_BS = new_BTK, q_pos_BT
-        else:
-            # Each sequence writes its T new entries contiguously from its first query position.
-            write = lambda c, n, p: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (p, 0))  # noqa: E731
-            cache_BSK = jax.vmap(write)(cache_BSK, new_BTK, q_pos_BT[:, 0])
-            kv_BSK = cache_BSK.astype(x_BTD.dtype)
-            kv_pos_BS = jnp.broadcast_to(jnp.arange(kv_BSK.shape[1]), kv_BSK.shape[:2])
-        latent_BSC, k_rope_BSR = kv_BSK[..., :C], kv_BSK[..., C:]
-        # Causal by position: entries past a sequence's own position are stale or padding and never seen.
-        mask_BTS = kv_pos_BS[:, None, :] <= q_pos_BT[:, :, None]
-
         with jax.named_scope(f"attend_{impl}"):
-            rope_BNTS = ein("BTNR,BSR->BNTS", q_rope_BTNR, k_rope_BSR)
             if impl == "absorbed":
                 q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, self.kv_b_k[...])
-                scores_BNTS = ein("BTNC,BSC->BNTS", q_abs_BTNC, latent_BSC) + rope_BNTS
-                probs_BNTS = _softmax(scores_BNTS, mask_BTS, self.softmax_scale)
-                ctx_BTNC = ein("BNTS,BSC->BTNC", probs_BNTS, latent_BSC)
-                out_BTNA = ein("BTNC,CNA->BTNA", ctx_BTNC, self.kv_b_v[...])
+                block_fn, width = self._absorbed_block(q_abs_BTNC, q_rope_BTNR, C), C
             elif impl == "expanded":
-                k_nope_BSNH = ein("BSC,CNH->BSNH", latent_BSC, self.kv_b_k[...])
-                v_BSNA = ein("BSC,CNA->BSNA", latent_BSC, self.kv_b_v[...])
-                scores_BNTS = ein("BTNH,BSNH->BNTS", q_nope_BTNH, k_nope_BSNH) + rope_BNTS
-                probs_BNTS = _softmax(scores_BNTS, mask_BTS, self.softmax_scale)
-                out_BTNA = ein("BNTS,BSNA->BTNA", probs_BNTS, v_BSNA)
+                block_fn, width = self._expanded_block(q_nope_BTNH, q_rope_BTNR, C), self.kv_b_v.shape[-1]
             else:
                 raise ValueError(f"attention impl must be 'expanded' or 'absorbed', got {impl!r}")
+            init = _softmax_init(q_nope_BTNH, width)
+            if cache_LBSK is None:  # full forward: the new tokens are the keys, one block
+                mask_BTS = q_pos_BT[:, None, :] <= q_pos_BT[:, :, None]
+                state = _online_softmax(init, *block_fn(new_BTK), mask_BTS, self.softmax_scale)
+            else:
+                cache_LBSK = write_cache(cache_LBSK, layer, new_BTK, q_pos_BT)
+                state = attend_live_prefix(
+                    cache_LBSK, layer, q_pos_BT, block_fn, init, self.softmax_scale, kv_block, x_BTD.dtype
+                )
+            out_BTNA = _softmax_finish(state, x_BTD.dtype)  # [B,T,N,C] when absorbed
+            if impl == "absorbed":
+                out_BTNA = ein("BTNC,CNA->BTNA", out_BTNA, self.kv_b_v[...])
         out_BTD = ein("BTNA,NAD->BTD", out_BTNA, self.o[...], dtype=jnp.float32)
-        return out_BTD, cache_BSK
+        return out_BTD, cache_LBSK
+
+    def _absorbed_block(self, q_abs_BTNC: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
+        """Scores and mixing over the 576-wide latent directly (W_uk folded into the query, W_uv applied after)."""
+
+        def block(kv_BSK):
+            latent_BSC, k_rope_BSR = kv_BSK[..., :C], kv_BSK[..., C:]
+            scores_BNTS = ein("BTNC,BSC->BNTS", q_abs_BTNC, latent_BSC) + ein("BTNR,BSR->BNTS", q_rope_BTNR, k_rope_BSR)
+            return scores_BNTS, lambda p_BNTS: ein("BNTS,BSC->BTNC", p_BNTS, latent_BSC)
+
+        return block
+
+    def _expanded_block(self, q_nope_BTNH: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
+        """Per-head keys/values expanded from this block's latent only."""
+        kv_b_k, kv_b_v = self.kv_b_k[...], self.kv_b_v[...]
+
+        def block(kv_BSK):
+            latent_BSC, k_rope_BSR = kv_BSK[..., :C], kv_BSK[..., C:]
+            k_nope_BSNH = ein("BSC,CNH->BSNH", latent_BSC, kv_b_k)
+            v_BSNA = ein("BSC,CNA->BSNA", latent_BSC, kv_b_v)
+            scores_BNTS = ein("BTNH,BSNH->BNTS", q_nope_BTNH, k_nope_BSNH) + ein(
+                "BTNR,BSR->BNTS", q_rope_BTNR, k_rope_BSR
+            )
+            return scores_BNTS, lambda p_BNTS: ein("BNTS,BSNA->BTNA", p_BNTS, v_BSNA)
+
+        return block
 
     def _queries(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(q_nope [B,T,N,H], q_rope before rotation [B,T,N,R]) through the query latent, or q_proj without one."""
@@ -107,7 +147,71 @@ class MLA(nnx.Module):
         return ein("BTQ,QNH->BTNH", q_lat_BTQ, self.q_b_nope[...]), ein("BTQ,QNR->BTNR", q_lat_BTQ, self.q_b_rope[...])
 
 
-def _softmax(scores_BNTS: jax.Array, mask_BTS: jax.Array, scale: float) -> jax.Array:
-    s = scores_BNTS.astype(jnp.float32) * scale
-    s = jnp.where(mask_BTS[:, None], s, _NEG_INF)
-    return jax.nn.softmax(s, axis=-1).astype(scores_BNTS.dtype)
+def write_cache(cache_LBSK: jax.Array, layer: jax.Array | int, new_BTK: jax.Array, pos_BT: jax.Array) -> jax.Array:
+    """Store each row's T new entries at their positions in `layer` (an in-place scatter; out-of-range dropped)."""
+    rows_BT = jnp.broadcast_to(jnp.arange(pos_BT.shape[0], dtype=pos_BT.dtype)[:, None], pos_BT.shape)
+    return cache_LBSK.at[layer, rows_BT, pos_BT].set(new_BTK.astype(cache_LBSK.dtype), mode="drop")
+
+
+def live_blocks(q_pos_BT: jax.Array, cache_len: int, kv_block: int) -> tuple[jax.Array, int]:
+    """(number of blocks to read, block size): blocks of min(kv_block, cache_len) positions covering every position
+    up to the longest live row (max query position + 1), capped at the buffer."""
+    if kv_block < 1:
+        raise ValueError(f"kv_block: cache positions per attention block must be >= 1, got {kv_block}")
+    blk = min(kv_block, cache_len)
+    live = jnp.max(q_pos_BT) + 1
+    return jnp.minimum((live + blk - 1) // blk, -(-cache_len // blk)), blk
+
+
+def attend_live_prefix(
+    cache_LBSK: jax.Array,
+    layer: jax.Array | int,
+    q_pos_BT: jax.Array,
+    block_fn: BlockFn,
+    init: Softmax,
+    scale: float,
+    kv_block: int,
+    dtype: jnp.dtype,
+) -> Softmax:
+    """Online softmax over the cache's live blocks of `layer`; exact per-row causality by position."""
+    _, B, S, K = cache_LBSK.shape
+    n_blocks, blk = live_blocks(q_pos_BT, S, kv_block)
+
+    def body(j, state):
+        # When S is not a multiple of blk the last block is shifted back to end at S; its positions before j * blk
+        # were seen by the previous block and are masked here.
+        start = jnp.minimum(j * blk, S - blk)
+        kv_BSK = jax.lax.dynamic_slice(cache_LBSK, (layer, 0, start, 0), (1, B, blk, K))[0].astype(dtype)
+        kv_pos_S = start + jnp.arange(blk, dtype=q_pos_BT.dtype)
+        mask_BTS = (kv_pos_S >= j * blk) & (kv_pos_S <= q_pos_BT[:, :, None])
+        return _online_softmax(state, *block_fn(kv_BSK), mask_BTS, scale)
+
+    return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def _softmax_init(q_BTNH: jax.Array, width: int) -> Softmax:
+    # Built from the queries so the state varies over the same manual mesh axes as the loop's outputs.
+    zero_BNT = jnp.zeros_like(q_BTNH[..., 0], jnp.float32).transpose(0, 2, 1)
+    return zero_BNT + _NEG_INF, zero_BNT, jnp.zeros_like(q_BTNH[..., :1], jnp.float32) + jnp.zeros(width, jnp.float32)
+
+
+def _online_softmax(
+    state: Softmax, scores_BNTS: jax.Array, mix: Callable[[jax.Array], jax.Array], mask_BTS: jax.Array, scale: float
+) -> Softmax:
+    """Fold one block into the running softmax. Masked entries get probability exactly 0 (even in a block where a
+    row has no visible position yet), so stale or padded cache entries never contribute."""
+    m_BNT, l_BNT, acc = state
+    mask_BNTS = mask_BTS[:, None]
+    s_BNTS = jnp.where(mask_BNTS, scores_BNTS.astype(jnp.float32) * scale, _NEG_INF)
+    m_new_BNT = jnp.maximum(m_BNT, s_BNTS.max(axis=-1))
+    alpha_BNT = jnp.exp(m_BNT - m_new_BNT)
+    p_BNTS = jnp.where(mask_BNTS, jnp.exp(s_BNTS - m_new_BNT[..., None]), 0.0)
+    l_BNT = l_BNT * alpha_BNT + p_BNTS.sum(axis=-1)
+    mixed = mix(p_BNTS.astype(scores_BNTS.dtype)).astype(jnp.float32)
+    acc = acc * alpha_BNT.transpose(0, 2, 1)[..., None] + mixed
+    return m_new_BNT, l_BNT, acc
+
+
+def _softmax_finish(state: Softmax, dtype: jnp.dtype) -> jax.Array:
+    _, l_BNT, acc = state
+    return (acc / l_BNT.transpose(0, 2, 1)[..., None]).astype(dtype)

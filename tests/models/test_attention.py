@@ -1,0 +1,126 @@
+"""Attention over the live prefix (mla.py): the blocked, data-dependent loop equals full attention, with exact
+per-row causality, and never reads past the live blocks.
+
+Reference: the no-cache forward of the same layer over each row's whole sequence (causal by position, so position p
+sees exactly tokens 0..p), which tests/models/test_kimi_parity.py checks against HF transformers. Stale cache entries
+(past a row's own position) are filled with huge garbage and everything past the last live block with NaN: a read
+past the live blocks makes the output NaN, a missing block or a leaked stale entry makes it wrong.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxspec import KimiConfig, Target
+from jaxspec.models import rope
+from jaxspec.models.mla import MLA, live_blocks
+from sharding.mesh import make_mesh
+
+CFG = KimiConfig.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def layer():
+    graphdef, params = nnx.split(MLA(CFG, jnp.float32, nnx.Rngs(7)))
+    # Larger than init scale so that the softmax is peaked: attending to a wrong position then shows.
+    params = jax.tree.map(lambda w: w * 4.0, params)
+    freqs, factor = rope.inv_freq(CFG.qk_rope_head_dim, CFG.rope_theta, CFG.rope_scaling)
+    return graphdef, params, jnp.asarray(freqs), factor
+
+
+@partial(jax.jit, static_argnames=("graphdef", "factor", "impl", "kv_block"))
+def _run(graphdef, params, freqs, x_BTD, pos_BT, cache_LBSK, *, factor, impl, kv_block):
+    cos_sin = rope.cos_sin(pos_BT, freqs, factor)
+    return nnx.merge(graphdef, params)(x_BTD, cos_sin, pos_BT, cache_LBSK, 1, impl, kv_block=kv_block)
+
+
+def run(layer, x, pos, cache, impl, kv_block=8):
+    graphdef, params, freqs, factor = layer
+    out, cache = _run(
+        graphdef, params, freqs, x, jnp.asarray(pos, jnp.int32), cache, factor=factor, impl=impl, kv_block=kv_block
+    )
+    return np.asarray(out), None if cache is None else np.asarray(cache)
+
+
+# (buffer S, block, each row's first query position, query tokens T). Live = max(row position) + T.
+CASES = [
+    (40, 8, [5, 15], 1),  # live 16: exactly two blocks (a block boundary); NaN from 16 on
+    (37, 8, [30, 9], 4),  # S not a multiple of the block: the last block is shifted back and overlaps
+    (37, 8, [14, 2], 3),  # live 17: one position into the third block; NaN from 24 on
+    (6, 8, [4, 1], 2),  # buffer shorter than a block
+]
+
+
+@pytest.mark.parametrize(("S", "blk", "starts", "T"), CASES)
+def test_blocked_cache_attention_equals_full_attention(layer, S, blk, starts, T):
+    B, L = len(starts), 2  # two layers in the stacked cache; the layer under test is index 1
+    rng = np.random.default_rng(S * 131 + blk + T)
+    x_BSD = rng.standard_normal((B, S, CFG.hidden_size)).astype(np.float32)
+    full_pos = np.broadcast_to(np.arange(S), (B, S))
+    ref_BSD, _ = run(layer, x_BSD, full_pos, None, "expanded")
+
+    # Cached prefill of all S positions (blocked, expanded form) equals the full forward.
+    cache = jnp.zeros((L, B, S, CFG.latent_dim), jnp.float32)
+    out, cache = run(layer, x_BSD, full_pos, cache, "expanded", kv_block=blk)
+    np.testing.assert_allclose(out, ref_BSD, atol=1e-5 * ref_BSD.std())
+
+    # Row b restarts at starts[b]: its entries from there on are stale (huge garbage, and the other layer too);
+    # nothing past the last live block may be read at all (NaN).
+    live = max(starts) + T
+    n_blocks, _ = live_blocks(jnp.asarray(starts)[:, None] + T - 1, S, blk)
+    assert int(n_blocks) == -(-live // min(blk, S))
+    poisoned = cache.copy()
+    for b, s in enumerate(starts):
+        poisoned[:, b, s:] = 1e4 * rng.standard_normal(poisoned[:, b, s:].shape)
+    poisoned[:, :, int(n_blocks) * min(blk, S) :] = np.nan
+
+    pos = np.asarray(starts)[:, None] + np.arange(T)
+    x_BTD = np.stack([x_BSD[b, s : s + T] for b, s in enumerate(starts)])
+    want = np.stack([ref_BSD[b, s : s + T] for b, s in enumerate(starts)])
+    for impl in ("absorbed", "expanded"):
+        out, new_cache = run(layer, x_BTD, pos, poisoned, impl, kv_block=blk)
+        assert np.isfinite(out).all(), f"{impl}: read past the live blocks"
+        np.testing.assert_allclose(out, want, atol=1e-5 * ref_BSD.std(), err_msg=impl)
+        # The step wrote exactly its T entries per row into layer 1 (as the prefill had) and nothing else.
+        expect = poisoned.copy()
+        for b, s in enumerate(starts):
+            expect[1, b, s : s + T] = cache[1, b, s : s + T]
+        np.testing.assert_allclose(new_cache, expect, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+
+def test_live_blocks_rejects_a_bad_block():
+    with pytest.raises(ValueError, match="kv_block"):
+        live_blocks(jnp.zeros((1, 1), jnp.int32), 16, 0)
+
+
+def test_ragged_verify_on_2x4_mesh_reads_only_each_shard_live_blocks():
+    """Tiny target on a 2x4 mesh: each data shard loops over its OWN rows' live blocks. Shard 0 (rows 0, 1) is
+    short, so its cache past its two live blocks is NaN; shard 1 runs into the shifted last block of a 37-position
+    buffer. Logits equal the no-cache forward (HF-checked in test_kimi_parity.py) at every row's positions."""
+    cfg = CFG.replace(num_hidden_layers=2)
+    target = Target.random(cfg, mesh=make_mesh("2x4"), dtype=jnp.float32, seed=4)
+    S, blk, T, starts = 37, 8, 3, np.array([3, 6, 20, 33])
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (4, 36))
+    full = np.asarray(target.logits(tokens))
+
+    step = jax.jit(lambda p, t, q, c: target.apply(p, t, q, c, kv_block=blk)[:2])
+    prefill_pos = np.broadcast_to(np.arange(36), (4, 36))
+    logits, cache = step(target.params, tokens, prefill_pos, target.init_cache(4, S))
+    np.testing.assert_allclose(np.asarray(logits), full, atol=1e-5 * full.std())
+
+    cache = np.array(cache)
+    for b, s in enumerate(starts):  # stale from each row's restart position
+        cache[:, b, s:] = 1e4 * np.random.default_rng(b).standard_normal(cache[:, b, s:].shape)
+    cache[:, :2, 2 * blk :] = np.nan  # shard 0's live length is 6 + 3 = 9: two blocks
+    cache = jax.device_put(cache, NamedSharding(target.mesh, target.cache_spec()))
+    pos = starts[:, None] + np.arange(T)
+    verify = np.stack([tokens[b, s : s + T] for b, s in enumerate(starts)])
+    logits, _ = step(target.params, verify, pos, cache)
+    want = np.stack([full[b, s : s + T] for b, s in enumerate(starts)])
+    assert np.isfinite(np.asarray(logits)).all(), "a data shard read past its own live blocks"
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5 * full.std())
