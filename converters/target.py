@@ -226,8 +226,8 @@ def check_names(reader: _Reader, cfg: KimiConfig, int4: bool, src: Path) -> int:
         if actual != tuple(shape):
             problems.append(f"{name}: expected shape {list(shape)}, got {list(actual)}")
     extra = set(reader.names) - set(expected)
-    mtp = sum(1 for n in extra if re.match(r"model\.layers\.(\d+)\.", n) and _is_ignorable(n, cfg))
-    problems += [f"unexpected tensor {n}" for n in sorted(n for n in extra if not _is_ignorable(n, cfg))]
+    mtp = sum(1 for n in extra if re.match(r"model\.layers\.(\d+)\.", n) and _is_ignorable(n, cfg, reader.names))
+    problems += [f"unexpected tensor {n}" for n in sorted(n for n in extra if not _is_ignorable(n, cfg, reader.names))]
     if problems:
         raise CheckpointError(f"{src}: {len(problems)} problem(s) with the checkpoint:\n  " + "\n  ".join(problems))
     return mtp

@@ -56,9 +56,11 @@ def test_config_with_fewer_layers_than_the_weights_is_refused(hf_checkpoint, tmp
         load_target(path)
 
 
-def test_converter_refuses_a_config_with_fewer_layers(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("nextn", [0, 1])
+def test_converter_refuses_a_config_with_fewer_layers(hf_checkpoint, tmp_path, nextn):
+    """With HF's default of one MTP layer too: layer 2 holds no eh_proj, so it is no MTP layer."""
     path = _copy(hf_checkpoint, tmp_path)
-    _edit_config(path, num_hidden_layers=2, num_nextn_predict_layers=0)
+    _edit_config(path, num_hidden_layers=2, num_nextn_predict_layers=nextn)
     with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.2\."):
         conv.convert_target(path, tmp_path / "out", progress=False)
 
