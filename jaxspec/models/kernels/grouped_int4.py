@@ -164,13 +164,15 @@ def grouped_matmul(
     out = jax.ShapeDtypeStruct((n_rows, n_out), out_dtype, manual_axis_type=jax.typeof(probe).mat)
     if backend == "tpu":
         kernel = functools.partial(_tpu_kernel, rows=rows, group_size=w.group_size)
-        x_spec = pl.BlockSpec((rows, n_in // 2), lambda j, t, e, s, *_: (s[t] // rows, 0))
+        x_spec = pl.BlockSpec(
+            (rows, n_in // 2), lambda j, t, e, s, *_: (jax.lax.div(s[t], rows), 0)
+        )  # starts >= 0: truncating div (no sign op)
         w_spec = lambda n: pl.BlockSpec((None, None, n, cols), lambda j, t, e, *a: (a[-1][0], e[t], 0, j))  # noqa: E731
         spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
             in_specs=[x_spec, x_spec, w_spec(n_in // 2), w_spec(n_in // w.group_size)],
-            out_specs=pl.BlockSpec((rows, cols), lambda j, t, e, s, *_: (s[t] // rows, j)),
+            out_specs=pl.BlockSpec((rows, cols), lambda j, t, e, s, *_: (jax.lax.div(s[t], rows), j)),
         )
         params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
         call = pl.pallas_call(kernel, out, grid_spec=spec, compiler_params=params, interpret=interpret)
