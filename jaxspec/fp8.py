@@ -120,6 +120,10 @@ class RawSafetensorsDir(SafetensorsDir):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._info(name)["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it ("BF16", "F8_E4M3", ...)."""
+        return self._info(name)["dtype"]
+
     def get(self, name: str) -> np.ndarray:
         fd, start, _ = self._open_raw(name)
         info = self._info(name)
@@ -156,7 +160,7 @@ class Fp8DequantizedDir(RawSafetensorsDir):
 
     def __init__(self, path: str | Path, block: tuple[int, int], dtype=np.float32):
         super().__init__(path)
-        self.block, self.dtype = block, np.dtype(dtype)
+        self.block, self.out_dtype = block, np.dtype(dtype)
         self.scales = {n for n in self.files if n.endswith(SCALE_SUFFIX)}
         orphans = sorted(n for n in self.scales if n.removesuffix(SCALE_SUFFIX) not in self.files)
         if orphans:
@@ -180,4 +184,4 @@ class Fp8DequantizedDir(RawSafetensorsDir):
                 f"{name}{SCALE_SUFFIX}: expected shape [{math.ceil(r / br)}, {math.ceil(c / bc)}] for weight "
                 f"{list(w.shape)} in {br}x{bc} blocks, got {list(scale.shape)}"
             )
-        return weight_dequant(w, scale, self.block, self.dtype)
+        return weight_dequant(w, scale, self.block, self.out_dtype)
