@@ -228,7 +228,7 @@ def check_args(args) -> None:
             parse_shape(args.mesh)
         except ValueError as e:
             fail(f"--mesh: {e}")
-    if args.devices is not None:
+    if getattr(args, "devices", None) is not None:  # `tune` declares its own target flags, without --devices
         from sharding.mesh import parse_devices
 
         try:
@@ -300,7 +300,7 @@ def _target(args, *, abstract: bool):
     if args.model and args.preset:
         raise UsageError(args.command, "give --model or --preset, not both")
     try:
-        devices = select_devices(args.devices) if args.devices else None
+        devices = select_devices(args.devices) if getattr(args, "devices", None) else None
         mesh = make_mesh(args.mesh, devices)
     except ValueError as e:
         raise UsageError(args.command, f"--mesh/--devices: {e}") from None
