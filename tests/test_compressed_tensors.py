@@ -117,6 +117,33 @@ def test_bf16_scale_dequant_is_exact_then_rounds_like_library() -> None:
     np.testing.assert_array_equal(ours.astype(ml_dtypes.bfloat16).astype(np.float32), lib.float().numpy())
 
 
+@pytest.mark.parametrize("group, scale_dtype", [(32, jnp.bfloat16), (8, jnp.float32), (1, jnp.bfloat16)])
+def test_int4_matmul_equals_x_times_library_dequant(group: int, scale_dtype) -> None:
+    # quant.matmul never builds the interleaved W: it multiplies each nibble half on its own (group 1 is odd:
+    # the plain dequantize-then-einsum path). Either way the result is x @ W with W as the library dequantises it.
+    from jaxspec.models.quant import matmul
+
+    rng = np.random.default_rng(group)
+    w = _weights(rng)  # [out 32, in 128] in the library's layout
+    q, scale = quantize_int4(w, group, scale_dtype)
+    lib_w = dequantize(
+        torch.from_numpy(q),
+        torch.from_numpy(scale.astype(np.float32)),
+        args=GROUP_ARGS.model_copy(update=dict(group_size=group)),
+    )
+    if scale_dtype == jnp.bfloat16:  # the library multiplies in the scale dtype: round the exact product once
+        lib_w = lib_w.bfloat16().float()
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    ours = matmul(jnp.asarray(x), Int4Array.from_values(q.T, scale.T, group))
+    assert ours.shape == (5, 32) and ours.dtype == jnp.float32
+    np.testing.assert_allclose(
+        np.asarray(ours),
+        x.astype(np.float64) @ lib_w.numpy().T.astype(np.float64),
+        rtol=1e-5,
+        atol=1e-5 * np.abs(x @ lib_w.numpy().T).max(),
+    )
+
+
 # ------------------------------------------------------------------------------------- bad input
 
 

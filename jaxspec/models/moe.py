@@ -225,11 +225,15 @@ def _experts_xla(
 
     def tile(carry):
         t, y_sorted = carry
+        # Tie the stacks to the loop counter: XLA:CPU has no bf16 dynamic-slice, so it converts a bf16 scale stack
+        # to f32 WHOLE, then hoists that loop-invariant convert out of the loops (measured: 0.8 s of a 1.3 s
+        # step). Behind the barrier the convert fuses with the slice and touches only this expert.
+        (gate_, up_, down_), t = jax.lax.optimization_barrier(((gate, up, down), t))
         e, start = tiles.expert[t], tiles.start[t]
-        g, u, d = (_expert(w, e) for w in (gate, up, down))
+        g, u, d = (_expert(w, e) for w in (gate_, up_, down_))
         x_MD = jax.lax.dynamic_slice_in_dim(x_sorted, start, rows)
-        h_MF = swiglu(quant.einsum("MD,DF->MF", x_MD, g), quant.einsum("MD,DF->MF", x_MD, u))
-        y_MD = quant.einsum("MF,FD->MD", h_MF, d, dtype=jnp.float32)
+        h_MF = swiglu(quant.matmul(x_MD, g), quant.matmul(x_MD, u))
+        y_MD = quant.matmul(h_MF, d, dtype=jnp.float32)
         keep_M = grouped_int4._row_mask(start, tiles.lo[t], tiles.hi[t], rows)
         y_MD = jax.lax.dynamic_slice_in_dim(y_sorted, start, rows) + jnp.where(keep_M, y_MD, 0)
         return t + 1, jax.lax.dynamic_update_slice_in_dim(y_sorted, y_MD, start, 0)
@@ -250,4 +254,6 @@ def _expert(w: quant.Weight | LayerSlice, e: jax.Array) -> quant.Weight:
         start = (*lead, *(jnp.zeros((), jnp.int32),) * 2)
         return jax.lax.dynamic_slice(a, start, (*(1,) * len(lead), *a.shape[-2:])).reshape(a.shape[-2:])
 
-    return quant.Int4Array(take(w.packed), take(w.scale), w.group_size) if isinstance(w, quant.Int4Array) else take(w)
+    if not isinstance(w, quant.Int4Array):
+        return take(w)
+    return quant.Int4Array(take(w.packed), take(w.scale), w.group_size)

@@ -92,6 +92,26 @@ def einsum(spec: str, x: jax.Array, w: Weight, *, dtype: jnp.dtype | None = None
     return out if dtype is None else out.astype(dtype)
 
 
+def matmul(x_MI: jax.Array, w: Weight, *, dtype: jnp.dtype | None = None) -> jax.Array:
+    """`x [M, I] @ w [I, O]` in x's dtype (cast to `dtype`); for a 2-D INT4 `w`, without interleaving its nibbles.
+
+    Packed row r holds rows 2r (low nibble) and 2r+1 (high nibble) of W, so x @ W = x[:, 0::2] @ W_lo +
+    x[:, 1::2] @ W_hi. Each half is dequantised elementwise on the packed layout, exactly as `dequantize` rounds
+    (bf16(q * scale): q * scale is exact in fp32), and the two products are summed in fp32. On XLA:CPU this is ~7x
+    faster per expert than dequantize-then-matmul, whose nibble interleave fuses into costly index arithmetic.
+    """
+    if not isinstance(w, Int4Array) or w.ndim != 2 or w.group_size % 2:
+        return einsum("MI,IO->MO", x_MI, w, dtype=dtype)
+    scale_HO = jnp.repeat(w.scale.astype(jnp.float32), w.group_size // 2, axis=0)  # group of each packed row
+
+    def half(nibble_HO: jax.Array, x_MH: jax.Array) -> jax.Array:
+        w_HO = ((nibble_HO.astype(jnp.float32) - 8) * scale_HO).astype(w.scale.dtype).astype(x_MI.dtype)
+        return jnp.matmul(x_MH, w_HO).astype(jnp.float32)
+
+    out = half(w.packed & 0xF, x_MI[:, 0::2]) + half(w.packed >> 4, x_MI[:, 1::2])
+    return out.astype(dtype or x_MI.dtype)
+
+
 def quantize(w: jax.Array | np.ndarray, group_size: int, scale_dtype: jnp.dtype = SCALE_DTYPE) -> Int4Array:
     """Symmetric group quantisation of a [..., I, O] weight: scale = group max|w| / 7 (so +max never clips),
     q = clip(round_half_even(w / scale), -8, 7) against the scale as stored. An all-zero group gets scale 1 (q = 0).
