@@ -40,8 +40,8 @@ def main() -> None:
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target, generate, load_drafter, load_target
-    from jaxspec.drafter import Drafter
     from jaxspec.models.eagle3 import draft_config_for
+    from jaxspec.runtime import Drafter
     from sharding.mesh import make_mesh
 
     mesh, dtype = make_mesh(args.mesh) if args.mesh else None, jnp.dtype(args.dtype)

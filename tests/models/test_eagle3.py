@@ -22,10 +22,9 @@ from transformers import DeepseekV3ForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from jaxspec.config import ConfigError, KimiConfig
-from jaxspec.drafter import load_drafter, save_drafter
-from jaxspec.hf import CheckpointError
+from jaxspec.io import CheckpointError, load_drafter, load_target, save_drafter
 from jaxspec.models.eagle3 import Eagle3Config, _read_draft_rope
-from jaxspec.target import Target, load_target
+from jaxspec.runtime import Target
 from sharding.mesh import make_mesh
 from tests.reference import eagle3_speculators as ref
 from tests.reference.hf_tiny import hf_config
