@@ -309,15 +309,14 @@ class Reader:
         return out
 
 
-def read_params(path: str | Path, cfg: KimiConfig, *, int4_experts: bool, dtype: np.dtype) -> dict[str, Any]:
+def read_params(ckpt: SafetensorsDir, cfg: KimiConfig, *, int4_experts: bool, dtype: np.dtype) -> dict[str, Any]:
     """Read an HF checkpoint into a nested dict shaped like `nnx.state(KimiModel)` (numpy leaves).
 
+    `ckpt` is the directory's reader (`jaxspec.io.fp8.open_checkpoint`: FP8 block weights arrive dequantised).
     Non-expert weights are cast to `dtype`; INT4 experts stay 4-bit (`Int4Array`) with their stored scales.
     """
-    from jaxspec.io.fp8 import open_checkpoint  # FP8 block weights arrive dequantised to `dtype`
-
     dtype = np.dtype(dtype)
-    reader = Reader(open_checkpoint(path, dtype))
+    reader = Reader(ckpt)
     cast = lambda a: None if a is None else np.asarray(a).astype(dtype)  # noqa: E731
     params = reader.rows(top_table(cfg), cast)
     k = cfg.first_k_dense_replace
@@ -333,7 +332,9 @@ def read_params(path: str | Path, cfg: KimiConfig, *, int4_experts: bool, dtype:
     unexpected = sorted(n for n in set(reader.names) - reader.used if not is_ignorable(n, cfg, reader.names))
     problems = reader.problems + [f"unexpected tensor {n}" for n in unexpected]
     if problems:
-        raise CheckpointError(f"{path}: {len(problems)} problem(s) with the checkpoint:\n  " + "\n  ".join(problems))
+        raise CheckpointError(
+            f"{ckpt.path}: {len(problems)} problem(s) with the checkpoint:\n  " + "\n  ".join(problems)
+        )
     return params
 
 

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from jaxspec.config import ConfigError, KimiConfig
 from jaxspec.io.drafter_hf import read_tensors
+from jaxspec.io.fp8 import open_checkpoint
 from jaxspec.io.hf import read_params
 from jaxspec.io.orbax import check_complete, read_marker, restore_params
 from jaxspec.models.eagle3 import Convention, Eagle3Config, draft_config_for
@@ -33,7 +34,8 @@ def load_target(
         return Target(cfg, mesh, abstract.graphdef, restore_params(path, cfg, abstract.params), rules)
     cfg = KimiConfig.from_pretrained(path)
     check_mesh(cfg, mesh, rules)  # before reading anything
-    host = read_params(path, cfg, int4_experts=cfg.quant is not None, dtype=np.dtype(jnp.dtype(dtype)))
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    host = read_params(open_checkpoint(path, np_dtype), cfg, int4_experts=cfg.quant is not None, dtype=np_dtype)
     return Target.from_host(cfg, dict(flatten(host)), mesh=mesh, dtype=dtype, rules=rules)
 
 
