@@ -26,7 +26,8 @@ from sharding.rules import ShardingRules
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Drafter:
-    """An EAGLE-3 drafter on its target's mesh. Build with `load_drafter`."""
+    """An EAGLE-3 drafter on its target's mesh. Build with `jaxspec.io.load_drafter`, `Drafter.random` or
+    `Drafter.from_host`."""
 
     config: Eagle3Config
     target: Target = dataclasses.field(repr=False)

@@ -39,7 +39,8 @@ def _is_var(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Target:
-    """A Kimi/DeepSeek-V3 target on a mesh. Build with `load_target`, `Target.random` or `Target.abstract`."""
+    """A Kimi/DeepSeek-V3 target on a mesh. Build with `jaxspec.io.load_target`, `Target.random`, `Target.abstract`
+    or `Target.from_host`."""
 
     config: KimiConfig
     mesh: Mesh
