@@ -48,7 +48,7 @@ def write_synthetic(path: Path, layers: int, experts: int, hidden: int, dtype: s
     from safetensors.numpy import save_file
 
     from jaxspec.config import KimiConfig
-    from jaxspec.hf import _expert_names, _layer_table
+    from jaxspec.io.hf import expert_name, layer_table
     from tests.reference.hf_tiny import hf_config
 
     path.mkdir(parents=True, exist_ok=True)
@@ -75,10 +75,10 @@ def write_synthetic(path: Path, layers: int, experts: int, hidden: int, dtype: s
     weight_map |= dict.fromkeys(top, "top.safetensors")
     for i in range(layers):
         moe = i >= cfg.first_k_dense_replace
-        tensors = {f"model.layers.{i}.{suffix}": rand(shape) for _, suffix, shape, _ in _layer_table(cfg, moe)}
+        tensors = {f"model.layers.{i}.{row.hf}": rand(row.shape) for row in layer_table(cfg, moe)}
         for e in range(cfg.n_routed_experts if moe else 0):
             for proj in ("gate", "up", "down"):
-                tensors[f"{_expert_names(i, e, proj)}.weight"] = rand((D, F) if proj == "down" else (F, D))
+                tensors[f"{expert_name(i, e, proj)}.weight"] = rand((D, F) if proj == "down" else (F, D))
         save_file(tensors, path / f"layer{i}.safetensors")
         weight_map |= dict.fromkeys(tensors, f"layer{i}.safetensors")
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

@@ -39,9 +39,8 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxspec import KimiConfig, Target, generate, load_drafter, load_target
-    from jaxspec.drafter import Drafter
-    from jaxspec.models.eagle3 import draft_config_for
+    from jaxspec import KimiConfig, Target, generate, load_target
+    from jaxspec.io import load_drafter_or_random
     from sharding.mesh import make_mesh
 
     mesh, dtype = make_mesh(args.mesh) if args.mesh else None, jnp.dtype(args.dtype)
@@ -49,10 +48,9 @@ def main() -> None:
         target = load_target(args.model, mesh=mesh, dtype=dtype)
         if not args.drafter:
             raise SystemExit("--model needs --drafter")
-        drafter = load_drafter(args.drafter, target, dtype=dtype)
     else:
         target = Target.random(KimiConfig.preset(args.preset), mesh=mesh, dtype=dtype)
-        drafter = Drafter.random(draft_config_for(target.config), target, dtype=dtype)
+    drafter = load_drafter_or_random(args.drafter if args.model else None, target)  # in the target's dtype
     tokenizer = None
     if args.tokenizer or args.model:
         from jaxspec.tokenizer import load_tokenizer

@@ -67,10 +67,10 @@ def _target(args: argparse.Namespace) -> None:
         from pathlib import Path
 
         from converters.target import open_source
-        from jaxspec.target import _check_mesh
+        from jaxspec.runtime import check_mesh
         from sharding.mesh import make_mesh
 
-        _check_mesh(open_source(Path(args.src))[0], make_mesh(args.mesh), _default_rules())
+        check_mesh(open_source(Path(args.src))[0], make_mesh(args.mesh), _default_rules())
     r = convert_target(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress, verify=args.verify)
     print(
         f"wrote {len(r.written)} group(s) ({r.bytes_written / 2**30:.3f} GiB), skipped {len(r.skipped)} already "

@@ -16,10 +16,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxspec.checkpoint import flatten_int4, group_dir, read_marker
 from jaxspec.config import KimiConfig
-from jaxspec.drafter import load_drafter, save_drafter
-from jaxspec.target import Target
+from jaxspec.io import load_drafter, save_drafter
+from jaxspec.io.orbax import flatten_int4, group_dir, read_marker
+from jaxspec.runtime import Target
 
 TOP = ("embed", "final_norm", "lm_head")
 

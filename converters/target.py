@@ -1,8 +1,8 @@
-"""HF safetensors target -> Orbax checkpoint, one layer at a time, resumable (layout: `jaxspec.checkpoint`).
+"""HF safetensors target -> Orbax checkpoint, one layer at a time, resumable (layout: `jaxspec.io.orbax`).
 
 Every tensor's name and shape is checked from the safetensors headers before anything is written (all problems in
 one `CheckpointError`). Then each group (top-level weights, then each decoder layer) is read lazily through the
-index, built with `jaxspec.hf`'s name table, saved as its own Orbax checkpoint and released: host memory holds at
+index, built with `jaxspec.io.hf`'s name table, saved as its own Orbax checkpoint and released: host memory holds at
 most the layer being read plus the one being written. A rerun skips finalized groups; the completion marker is
 written last.
 """
@@ -26,7 +26,10 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm import tqdm
 
-from jaxspec.checkpoint import (
+from jaxspec.config import KimiConfig
+from jaxspec.io.fp8 import dequantized_config, fp8_block, open_checkpoint
+from jaxspec.io.hf import CheckpointError, Reader, expected_tensors, is_ignorable, read_layer, top_table
+from jaxspec.io.orbax import (
     FORMAT,
     MARKER,
     PLAN,
@@ -39,17 +42,8 @@ from jaxspec.checkpoint import (
     layer_group,
     stack_of,
 )
-from jaxspec.config import KimiConfig
-from jaxspec.fp8 import dequantized_config, fp8_block, open_checkpoint
-from jaxspec.hf import (
-    CheckpointError,
-    _expert_names,
-    _is_ignorable,
-    _layer_table,
-    _read_layer,
-    _Reader,
-)
-from jaxspec.target import Target
+from jaxspec.pytree import flatten
+from jaxspec.runtime import Target
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 
@@ -87,6 +81,24 @@ def convert_target(
     int4 = cfg.quant is not None
     mtp = check_names(reader, cfg, int4, src)
 
+    plan = _start(src, dst, dtype, cfg, reader, dequantized)
+    sizes = _group_bytes(cfg, jnp.dtype(dtype), int4)
+    todo = [g for g in plan["groups"] if not is_group_complete(dst, g)]
+    done = [g for g in plan["groups"] if g not in todo]
+    written = _write_groups(reader, cfg, src, dst, todo, sizes, np.dtype(jnp.dtype(dtype)), progress, on_group_written)
+    report = ConvertReport(written, done, reader.skipped, mtp, sum(sizes[g] for g in written))
+    if verify:
+        report.verified = verify_conversion(src, dst)
+    marker = {**plan, "skipped_vision_tensors": reader.skipped, "skipped_mtp_tensors": mtp}
+    tmp = dst / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    tmp.replace(dst / MARKER)  # atomic: the marker appears complete or not at all
+    return report
+
+
+def _start(src: Path, dst: Path, dtype: str, cfg: KimiConfig, reader: Reader, dequantized: dict | None) -> dict:
+    """Write the plan (or check a previous run's) and the small files; returns the plan."""
+    int4 = cfg.quant is not None
     plan = {"format": FORMAT, "version": VERSION, "source": str(src.resolve()), "dtype": dtype, "int4_experts": int4}
     plan["dequantized_fp8"] = dequantized is not None
     plan["groups"] = group_names(cfg)
@@ -95,20 +107,26 @@ def convert_target(
     _copy_small_files(src, dst)
     if dequantized is not None:  # the stored weights are no longer FP8: drop the quantization_config
         (dst / "config.json").write_text(json.dumps(dequantized, indent=2) + "\n")
+    return plan
 
-    sizes = _group_bytes(cfg, jnp.dtype(dtype), int4)
-    todo = [g for g in plan["groups"] if not is_group_complete(dst, g)]
-    done = [g for g in plan["groups"] if g not in todo]
-    bar = tqdm(
-        total=sum(sizes[g] for g in todo),
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="convert",
-        disable=not progress,
-    )
+
+def _write_groups(
+    reader: Reader,
+    cfg: KimiConfig,
+    src: Path,
+    dst: Path,
+    todo: list[str],
+    sizes: dict[str, int],
+    dtype: np.dtype,
+    progress: bool,
+    on_group_written: Callable[[str], None] | None,
+) -> list[str]:
+    """Read, save and finalize each group in `todo`, in order; returns the groups written."""
+    int4 = cfg.quant is not None
+    total = sum(sizes[g] for g in todo)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress)
     ck = _writer()
-    written, cast = [], _caster(np.dtype(jnp.dtype(dtype)))
+    written, cast = [], _caster(dtype)
 
     def saved(name: str | None) -> None:
         ck.wait_until_finished()
@@ -146,17 +164,10 @@ def convert_target(
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         ck.close()
-    report = ConvertReport(written, done, reader.skipped, mtp, sum(sizes[g] for g in written))
-    if verify:
-        report.verified = verify_conversion(src, dst)
-    marker = {**plan, "skipped_vision_tensors": reader.skipped, "skipped_mtp_tensors": mtp}
-    tmp = dst / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=2) + "\n")
-    tmp.replace(dst / MARKER)  # atomic: the marker appears complete or not at all
-    return report
+    return written
 
 
-def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, _Reader, dict[str, Any] | None]:
+def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, Reader, dict[str, Any] | None]:
     """(config, lazy reader, dequantised config.json or None): FP8 block checkpoints are read dequantised to `dtype`
     (one rounding of the float32 product, as DeepSeek's `weight_dequant`)."""
     raw_path = src / "config.json"
@@ -175,48 +186,23 @@ def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, _Reader,
                 pass
         except Exception as e:  # safetensors raises its own error type, naming no file
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
-    return cfg, _Reader(ckpt), dequantized
+    return cfg, Reader(ckpt), dequantized
 
 
-def read_group(reader: _Reader, cfg: KimiConfig, name: str, int4: bool, cast) -> dict[str, Any]:
+def read_group(reader: Reader, cfg: KimiConfig, name: str, int4: bool, cast) -> dict[str, Any]:
     """The parameters of one group as a nested dict of numpy arrays (Int4Array for INT4 experts)."""
     if name == "top":
-        D, V = cfg.hidden_size, cfg.vocab_size
-        out = {"embed": cast(reader.get("model.embed_tokens.weight", (V, D)))}
-        out["final_norm"] = cast(reader.get("model.norm.weight", (D,)))
-        head = reader.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", (V, D))
-        out["lm_head"] = None if head is None else cast(head.T)
-        return out
+        return reader.rows(top_table(cfg), cast)
     layer = int(name.removeprefix("layer_"))
-    return _read_layer(reader, cfg, layer, stack_of(cfg, layer)[0] == "moe_layers", int4, cast)
+    return read_layer(reader, cfg, layer, stack_of(cfg, layer)[0] == "moe_layers", int4, cast)
 
 
-def check_names(reader: _Reader, cfg: KimiConfig, int4: bool, src: Path) -> int:
+def check_names(reader: Reader, cfg: KimiConfig, int4: bool, src: Path) -> int:
     """Check every expected tensor's presence and shape from the headers alone, and flag unexpected ones.
 
     Raises CheckpointError listing every problem; returns the number of skipped MTP (extra-layer) tensors.
     """
-    D, V = cfg.hidden_size, cfg.vocab_size
-    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not cfg.tie_word_embeddings:
-        expected["lm_head.weight"] = (V, D)
-    E, F, g = cfg.n_routed_experts, cfg.moe_intermediate_size, (cfg.quant.group_size if int4 else 0)
-    for layer in range(cfg.num_hidden_layers):
-        moe = stack_of(cfg, layer)[0] == "moe_layers"
-        for _, suffix, shape, _ in _layer_table(cfg, moe):
-            expected[f"model.layers.{layer}.{suffix}"] = shape
-        if not moe:
-            continue
-        for e in range(E):
-            for proj in ("gate", "up", "down"):
-                out_f, in_f = (D, F) if proj == "down" else (F, D)
-                base = _expert_names(layer, e, proj)
-                if int4:
-                    expected[f"{base}.weight_packed"] = (out_f, in_f // 8)
-                    expected[f"{base}.weight_scale"] = (out_f, in_f // g)
-                    expected[f"{base}.weight_shape"] = (2,)
-                else:
-                    expected[f"{base}.weight"] = (out_f, in_f)
+    expected = expected_tensors(cfg, int4)
     problems = []
     for name, shape in expected.items():
         if name not in reader.names:
@@ -226,8 +212,8 @@ def check_names(reader: _Reader, cfg: KimiConfig, int4: bool, src: Path) -> int:
         if actual != tuple(shape):
             problems.append(f"{name}: expected shape {list(shape)}, got {list(actual)}")
     extra = set(reader.names) - set(expected)
-    mtp = sum(1 for n in extra if re.match(r"model\.layers\.(\d+)\.", n) and _is_ignorable(n, cfg, reader.names))
-    problems += [f"unexpected tensor {n}" for n in sorted(n for n in extra if not _is_ignorable(n, cfg, reader.names))]
+    mtp = sum(1 for n in extra if re.match(r"model\.layers\.(\d+)\.", n) and is_ignorable(n, cfg, reader.names))
+    problems += [f"unexpected tensor {n}" for n in sorted(n for n in extra if not is_ignorable(n, cfg, reader.names))]
     if problems:
         raise CheckpointError(f"{src}: {len(problems)} problem(s) with the checkpoint:\n  " + "\n  ".join(problems))
     return mtp
@@ -250,8 +236,8 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
     ck, problems = ocp.StandardCheckpointer(), []
     cast = _caster(np.dtype(jnp.dtype(plan["dtype"])))
     for name in groups:
-        ref = dict(_flat(flatten_int4(read_group(reader, cfg, name, int4, cast))))
-        got = dict(_flat(ck.restore(group_dir(dst, name))))
+        ref = dict(flatten(flatten_int4(read_group(reader, cfg, name, int4, cast))))
+        got = dict(flatten(ck.restore(group_dir(dst, name))))
         for key in sorted(set(ref) | set(got)):
             label = f"{name}/{'.'.join(key)}"
             if key not in got:
@@ -277,17 +263,9 @@ def _caster(dtype: np.dtype):
     return lambda a: None if a is None else np.asarray(a).astype(dtype, copy=False)
 
 
-def _flat(tree: dict, prefix: tuple = ()):
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _flat(v, (*prefix, k))
-        else:
-            yield (*prefix, k), v
-
-
 def _group_bytes(cfg: KimiConfig, dtype, int4: bool) -> dict[str, int]:
     """Bytes each group occupies once converted (from the abstract model: nothing allocated)."""
-    _, abstract = nnx.split(Target._abstract_model(cfg, dtype, int4))
+    _, abstract = nnx.split(Target.abstract_model(cfg, dtype, int4))
     out = dict.fromkeys(group_names(cfg), 0)
     counts = {"dense_layers": cfg.first_k_dense_replace}
     counts["moe_layers"] = cfg.num_hidden_layers - counts["dense_layers"]

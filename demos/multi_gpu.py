@@ -172,7 +172,7 @@ def plan(cfg, mesh, dtype) -> None:
 def convert(src: Path, dst: Path, dtype: str, verify: bool) -> None:
     """Step 3: HF -> Orbax, streamed and resumable; a complete DST is reused."""
     from converters.target import convert_target
-    from jaxspec.checkpoint import MARKER
+    from jaxspec.io.orbax import MARKER
 
     step(3, f"convert {src} -> {dst}")
     if (dst / MARKER).is_file():

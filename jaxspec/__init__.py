@@ -16,10 +16,9 @@ Also: `jaxspec.bundled.load_pair()` (the bundled trained pair), `jaxspec.tokeniz
 from jaxspec.config import ConfigError, KimiConfig
 from jaxspec.decoding.generate import GenerateResult, Progress, generate
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.drafter import Drafter, load_drafter
-from jaxspec.hf import CheckpointError
+from jaxspec.io import CheckpointError, load_drafter, load_target
 from jaxspec.models.eagle3 import Eagle3Config
-from jaxspec.target import Target, load_target
+from jaxspec.runtime import Drafter, Target
 
 __all__ = [
     "GenerateResult",

@@ -40,8 +40,7 @@ def load_pair(mesh=None, dtype=None):
     """
     import jax.numpy as jnp
 
-    from jaxspec.drafter import load_drafter
-    from jaxspec.target import load_target
+    from jaxspec.io import load_drafter, load_target
     from jaxspec.tokenizer import load_tokenizer
 
     dtype = jnp.float32 if dtype is None else dtype

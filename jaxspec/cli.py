@@ -167,7 +167,7 @@ class UsageError(SystemExit):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxspec.config import ConfigError
-    from jaxspec.hf import CheckpointError
+    from jaxspec.io import CheckpointError
     from sharding.collectives import PRESETS, apply_preset, describe
 
     if args.collective_preset not in PRESETS:
@@ -344,8 +344,9 @@ def use_bundled_pair(args) -> bool:
 
 def cmd_generate(args) -> int:
     from jaxspec.decoding.generate import generate
-    from jaxspec.drafter import Drafter, load_drafter
+    from jaxspec.io import load_drafter
     from jaxspec.models.eagle3 import draft_config_for
+    from jaxspec.runtime import Drafter
     from jaxspec.tokenizer import load_tokenizer
 
     if isinstance(args.num_steps, str):  # not yet checked (main() checks it; direct callers may not have)

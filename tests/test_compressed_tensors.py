@@ -1,4 +1,4 @@
-"""jaxspec.compressed_tensors against the compressed-tensors library, and the INT4 test-checkpoint writer."""
+"""jaxspec.io.compressed_tensors against the compressed-tensors library, and the INT4 test-checkpoint writer."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from jaxspec.compressed_tensors import pack_int4, unpack_int4
+from jaxspec.io.compressed_tensors import pack_int4, unpack_int4
 from jaxspec.models.quant import Int4Array
 from jaxspec.models.quant import quantize as jquantize
 from tests.reference.ct_checkpoint import KIMI_IGNORE, write_int4_checkpoint

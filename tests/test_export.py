@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3ForCausalLM
 
 from jaxspec import KimiConfig, Target, load_target
-from jaxspec.export import save_target
+from jaxspec.io import save_target
 
 TOKENS = np.random.default_rng(5).integers(0, 256, (2, 24))
 

@@ -77,8 +77,8 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     args = p.parse_args()
 
-    from jaxspec.export import save_target
-    from jaxspec.target import Target
+    from jaxspec.io import save_target
+    from jaxspec.runtime import Target
 
     args.work.mkdir(parents=True, exist_ok=True)
     tok_dir = args.work / "tokenizer"

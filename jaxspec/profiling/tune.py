@@ -497,8 +497,9 @@ def sweep_presets(args: argparse.Namespace, presets: Sequence[str]) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     """`jaxspec tune`: build target + drafter from the arguments, sweep, print the table, write the outputs."""
     from jaxspec.cli import _target, use_bundled_pair
-    from jaxspec.drafter import Drafter, load_drafter
+    from jaxspec.io import load_drafter
     from jaxspec.models.eagle3 import draft_config_for
+    from jaxspec.runtime import Drafter
 
     if args.max_k < 0:
         raise SystemExit(f"jaxspec tune: --max-k must be >= 0, got {args.max_k}")

@@ -80,11 +80,10 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from jaxspec import bundled as bundled_pair
-    from jaxspec.drafter import load_drafter
+    from jaxspec.io import load_drafter, load_target
     from jaxspec.serving.app import create_app
     from jaxspec.serving.engine import Engine, EngineConfig
     from jaxspec.serving.metrics import Metrics
-    from jaxspec.target import load_target
     from jaxspec.tokenizer import load_tokenizer
     from sharding.mesh import make_mesh
 

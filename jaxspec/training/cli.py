@@ -167,7 +167,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     """`jaxspec train-drafter`: check the arguments, load the target, generate data if asked, train, export."""
     import jax.numpy as jnp
 
-    from jaxspec.target import load_target
+    from jaxspec.io import load_target
     from jaxspec.training.data import generate_dataset
     from jaxspec.training.trainer import train_drafter
     from sharding.mesh import make_mesh

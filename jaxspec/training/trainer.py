@@ -45,9 +45,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxspec.drafter import Drafter, save_drafter
+from jaxspec.io import save_drafter
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, Split, concat_captured, draft_config_for
-from jaxspec.target import Target
+from jaxspec.runtime import Drafter, Target
 from jaxspec.training.data import load_dataset, target_fingerprint
 from jaxspec.training.ttt import combine_terms, restrict_to_draft_vocab, ttt_forward, ttt_loss_terms
 from jaxspec.training.vocab import build_draft_vocab, draft_to_target_ids

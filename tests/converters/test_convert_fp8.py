@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from converters.target import convert_target
 from jaxspec import CheckpointError, ConfigError, load_target
-from jaxspec.fp8 import open_checkpoint
+from jaxspec.io.fp8 import open_checkpoint
 
 BLOCK = 16  # small blocks, so tiny weights span several (and partial: 40 rows = 2.5 blocks)
 LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")

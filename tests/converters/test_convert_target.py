@@ -15,8 +15,9 @@ from safetensors.numpy import load_file, save_file
 from converters import target as conv
 from converters.__main__ import main
 from jaxspec import CheckpointError, load_target
-from jaxspec.checkpoint import MARKER, group_dir
+from jaxspec.io.orbax import MARKER, group_dir
 from jaxspec.models.quant import Int4Array
+from jaxspec.pytree import flatten
 from sharding.mesh import make_mesh
 from tests.reference.ct_checkpoint import write_int4_checkpoint
 
@@ -37,7 +38,7 @@ def _groups(dst):
     """Every stored array of a conversion, by (group, key path)."""
     ck, out = ocp.StandardCheckpointer(), {}
     for d in sorted(p for p in (dst / "params").iterdir() if p.is_dir()):
-        out.update({(d.name, *k): v for k, v in conv._flat(ck.restore(d))})
+        out.update({(d.name, *k): v for k, v in flatten(ck.restore(d))})
     return out
 
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.drafter import Drafter
 from jaxspec.models.eagle3 import draft_config_for
+from jaxspec.runtime import Drafter
 
 
 def random_drafter(target, seed: int = 1) -> Drafter:

@@ -22,10 +22,9 @@ from transformers import DeepseekV3ForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from jaxspec.config import ConfigError, KimiConfig
-from jaxspec.drafter import load_drafter, save_drafter
-from jaxspec.hf import CheckpointError
-from jaxspec.models.eagle3 import Eagle3Config, _read_draft_rope
-from jaxspec.target import Target, load_target
+from jaxspec.io import CheckpointError, load_drafter, load_drafter_or_random, load_target, save_drafter
+from jaxspec.models.eagle3 import Eagle3Config, _read_draft_rope, draft_config_for
+from jaxspec.runtime import Target
 from sharding.mesh import make_mesh
 from tests.reference import eagle3_speculators as ref
 from tests.reference.hf_tiny import hf_config
@@ -179,6 +178,21 @@ def test_round_trip_between_formats(spec_ckpt, drafter, target, hf_target, tmp_p
     for key, value in model.state_dict().items():
         if not key.startswith("verifier_"):
             assert torch.equal(reloaded[key], value), key
+
+
+def test_load_drafter_or_random_loads_a_path(spec_ckpt, target, drafter):
+    loaded = load_drafter_or_random(spec_ckpt[0], target)
+    assert loaded.config == drafter.config and loaded.dtype == target.dtype
+    np.testing.assert_array_equal(
+        np.asarray(loaded.params["fc"].get_value()), np.asarray(drafter.params["fc"].get_value())
+    )
+
+
+@pytest.mark.slow  # Drafter.random compiles the initialiser (~12 s on 2 cores)
+def test_load_drafter_or_random_without_a_path_is_random(target):
+    random = load_drafter_or_random(None, target, seed=3)
+    assert random.config == draft_config_for(target.config) and random.dtype == target.dtype
+    assert random.params["embed"].get_value() is target.params["embed"].get_value()
 
 
 def test_full_vocab_drafter_without_head_uses_the_targets(target, hf_target, embed, tmp_path):

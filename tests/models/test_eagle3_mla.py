@@ -20,8 +20,7 @@ from transformers import DeepseekV3ForCausalLM, DynamicCache
 
 from converters.__main__ import main as convert_main
 from jaxspec import ConfigError, generate
-from jaxspec.drafter import load_drafter, save_drafter
-from jaxspec.target import load_target
+from jaxspec.io import load_drafter, load_target, save_drafter
 from sharding.mesh import make_mesh
 from tests.reference import eagle3_mla as ref
 from tests.reference.hf_tiny import hf_config

@@ -12,7 +12,7 @@ from transformers import DeepseekV3ForCausalLM
 
 from converters import target as conv
 from jaxspec import KimiConfig, Target, load_target
-from jaxspec.export import save_target
+from jaxspec.io import save_target
 from sharding.mesh import make_mesh
 from tests.reference.hf_tiny import save_hf_model
 

@@ -78,8 +78,7 @@ def test_bad_arguments(config_dir, tmp_path):
 def test_train_drafter_command_end_to_end(tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from jaxspec.drafter import load_drafter
-    from jaxspec.target import load_target
+    from jaxspec.io import load_drafter, load_target
 
     target_dir = tmp_path / "target"
     save_hf_model("kimi", target_dir)

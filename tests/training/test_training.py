@@ -18,8 +18,7 @@ import pytest
 import torch
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-from jaxspec.drafter import load_drafter, save_drafter
-from jaxspec.target import load_target
+from jaxspec.io import load_drafter, load_target, save_drafter
 from jaxspec.training import DatasetError, generate_dataset, load_dataset, train_drafter
 from jaxspec.training.ttt import ttt_logits
 from sharding.mesh import make_mesh

@@ -3,8 +3,9 @@
 The output is laid out like the published Kimi-K2.5 INT4 checkpoint (text model, flat DeepSeek-V3 config): every
 weight under its HF name and shape, routed experts as `weight_packed` (int32, 8 values per word) + `weight_scale`
 (bf16, one per group of `group_size` inputs) + `weight_shape`, and a `quantization_config` that compressed-tensors and
-transformers read. It is the exact inverse of `jaxspec.hf.read_params`: `load_target(save_target(t))` gives back the
-same weights (float experts are quantized on the way out with `quant.quantize` when the config has a quant scheme).
+transformers read. It is the exact inverse of `jaxspec.io.hf.read_params` (through the same name table):
+`load_target(save_target(t))` gives back the same weights (float experts are quantized on the way out with
+`quant.quantize` when the config has a quant scheme).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxspec.compressed_tensors import pack_int4
 from jaxspec.config import KimiConfig
+from jaxspec.io.compressed_tensors import pack_int4
+from jaxspec.io.hf import EXPERT_PROJS, Tensor, expert_name, layer_table, top_table
 from jaxspec.models import quant
+from jaxspec.pytree import get_path, unflatten
 
 # Only routed experts are quantized, as in the published Kimi-K2 / K2.5 INT4 checkpoints.
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
@@ -31,21 +34,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", 
 
 def hf_config(cfg: KimiConfig, dtype=jnp.bfloat16) -> dict[str, Any]:
     """config.json for `cfg` in the flat DeepSeek-V3 layout (the inverse of `KimiConfig.from_hf_config`)."""
-    rope = None
-    if cfg.rope_scaling is not None:
-        r = cfg.rope_scaling
-        rope = {
-            "type": "yarn",
-            "rope_type": "yarn",
-            "factor": r.factor,
-            "original_max_position_embeddings": r.original_max_position_embeddings,
-            "beta_fast": r.beta_fast,
-            "beta_slow": r.beta_slow,
-            "mscale": r.mscale,
-            "mscale_all_dim": r.mscale_all_dim,
-        }
-        if r.attention_factor is not None:
-            rope["attention_factor"] = r.attention_factor
     out = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -76,7 +64,7 @@ def hf_config(cfg: KimiConfig, dtype=jnp.bfloat16) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": rope,
+        "rope_scaling": _rope_scaling(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "attention_bias": False,
         "tie_word_embeddings": cfg.tie_word_embeddings,
@@ -86,100 +74,89 @@ def hf_config(cfg: KimiConfig, dtype=jnp.bfloat16) -> dict[str, Any]:
         "torch_dtype": jnp.dtype(dtype).name,
     }
     if cfg.quant is not None:
-        out["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "int",
-                        "symmetric": True,
-                        "strategy": "group",
-                        "group_size": cfg.quant.group_size,
-                        "dynamic": False,
-                        "observer": "minmax",
-                    },
-                    "input_activations": None,
-                    "output_activations": None,
-                }
-            },
-            "ignore": list(KIMI_IGNORE),
-            "kv_cache_scheme": None,
-        }
+        out["quantization_config"] = _quantization_config(cfg)
     return out
 
 
+def _rope_scaling(cfg: KimiConfig) -> dict[str, Any] | None:
+    if cfg.rope_scaling is None:
+        return None
+    r = cfg.rope_scaling
+    rope = {
+        "type": "yarn",
+        "rope_type": "yarn",
+        "factor": r.factor,
+        "original_max_position_embeddings": r.original_max_position_embeddings,
+        "beta_fast": r.beta_fast,
+        "beta_slow": r.beta_slow,
+        "mscale": r.mscale,
+        "mscale_all_dim": r.mscale_all_dim,
+    }
+    if r.attention_factor is not None:
+        rope["attention_factor"] = r.attention_factor
+    return rope
+
+
+def _quantization_config(cfg: KimiConfig) -> dict[str, Any]:
+    """compressed-tensors pack-quantized INT4, group-wise symmetric, routed experts only (see KIMI_IGNORE)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": cfg.quant.group_size,
+                    "dynamic": False,
+                    "observer": "minmax",
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": list(KIMI_IGNORE),
+        "kv_cache_scheme": None,
+    }
+
+
 def hf_tensors(cfg: KimiConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> dict[str, np.ndarray]:
-    """HF-named tensors from a nested dict shaped like `nnx.state(KimiModel)` (numpy or jax leaves)."""
+    """HF-named tensors from a nested dict shaped like `nnx.state(KimiModel)` (numpy or jax leaves), through the
+    name table `jaxspec.io.hf.read_params` reads with."""
     np_dtype = np.dtype(jnp.dtype(dtype))
     cast = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).astype(np_dtype))  # noqa: E731
-    D, N, A = cfg.hidden_size, cfg.num_attention_heads, cfg.v_head_dim
-    out = {
-        "model.embed_tokens.weight": cast(params["embed"]),
-        "model.norm.weight": cast(params["final_norm"]),
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = cast(np.asarray(params["lm_head"]).T)
+    out = _write_rows(top_table(cfg), params, cast)
     k = cfg.first_k_dense_replace
     for layer in range(cfg.num_hidden_layers):
         moe = layer >= k
         stack = params["moe_layers" if moe else "dense_layers"]
         i = layer - k if moe else layer
         p = jax.tree.map(lambda a, i=i: a[i], stack)  # this layer's slice (Int4Array slices too)
-        a = p["attn"]
-        pre = f"model.layers.{layer}."
-        t = {
-            "input_layernorm.weight": p["input_norm"],
-            "post_attention_layernorm.weight": p["post_attn_norm"],
-            **_query_tensors(cfg, a),
-            "self_attn.kv_a_proj_with_mqa.weight": np.concatenate(
-                [np.asarray(a["kv_a_latent"]), np.asarray(a["kv_a_rope"])], axis=1
-            ).T,
-            "self_attn.kv_a_layernorm.weight": a["kv_a_norm"],
-            "self_attn.kv_b_proj.weight": _rows(a["kv_b_k"], a["kv_b_v"]),
-            "self_attn.o_proj.weight": np.asarray(a["o"]).transpose(2, 0, 1).reshape(D, N * A),
-        }
-        m = p["mlp"]
-        mlp_prefix = "mlp.shared_experts" if moe else "mlp"
-        dense = m["shared"] if moe else m
-        for proj in ("gate", "up", "down"):
-            t[f"{mlp_prefix}.{proj}_proj.weight"] = np.asarray(dense[proj]).T
-        out.update({pre + name: cast(w) for name, w in t.items()})
+        out.update(_write_rows(layer_table(cfg, moe), p, cast, prefix=f"model.layers.{layer}."))
         if moe:
-            out[pre + "mlp.gate.weight"] = cast(np.asarray(m["router"]).T)
-            out[pre + "mlp.gate.e_score_correction_bias"] = np.asarray(m["router_bias"], np.float32)
-            for proj in ("gate", "up", "down"):
-                out.update(_experts(cfg, pre, proj, m[proj], cast))
+            for proj in EXPERT_PROJS:
+                out.update(_experts(cfg, layer, proj, p["mlp"][proj], cast))
     return out
 
 
-def _query_tensors(cfg: KimiConfig, a: dict[str, Any]) -> dict[str, Any]:
-    """The query projection(s): q_a / q_a_layernorm / q_b with a query latent, a single q_proj without one."""
-    if not cfg.q_lora:
-        return {"self_attn.q_proj.weight": _rows(a["q_nope"], a["q_rope"])}
-    return {
-        "self_attn.q_a_proj.weight": np.asarray(a["q_a"]).T,
-        "self_attn.q_a_layernorm.weight": a["q_a_norm"],
-        "self_attn.q_b_proj.weight": _rows(a["q_b_nope"], a["q_b_rope"]),
-    }
+def _write_rows(table: list[Tensor], params: dict[str, Any], cast, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for row in table:
+        w = row.to_hf(*(get_path(params, path) for path in row.params))
+        out[prefix + row.hf] = np.asarray(w, np.float32) if row.fp32 else cast(w)
+    return out
 
 
-def _rows(*parts_INH) -> np.ndarray:
-    """Per-head column blocks [in, N, h_i], concatenated per head -> HF's [N * sum(h_i), in] rows (head-major)."""
-    w_INH = np.concatenate([np.asarray(p) for p in parts_INH], axis=-1)
-    i, n, h = w_INH.shape
-    return w_INH.transpose(1, 2, 0).reshape(n * h, i)
-
-
-def _experts(cfg: KimiConfig, pre: str, proj: str, w: Any, cast) -> dict[str, np.ndarray]:
+def _experts(cfg: KimiConfig, layer: int, proj: str, w: Any, cast) -> dict[str, np.ndarray]:
     if not isinstance(w, quant.Int4Array) and cfg.quant is not None:
         w = quant.quantize(w, cfg.quant.group_size)
     out = {}
     for e in range(w.shape[0]):
-        name = f"{pre}mlp.experts.{e}.{proj}_proj"
+        name = expert_name(layer, e, proj)
         if not isinstance(w, quant.Int4Array):
             out[f"{name}.weight"] = cast(np.asarray(w[e]).T)
             continue
@@ -219,10 +196,4 @@ def save_target(target, path: str | Path, *, tokenizer_dir: str | Path | None = 
 
 def _host_tree(state) -> dict[str, Any]:
     """nnx.State -> nested dict of host arrays (Int4Array leaves kept whole)."""
-    out: dict[str, Any] = {}
-    for keys, var in nnx.to_flat_state(state):
-        node = out
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = jax.device_get(var.get_value())
-    return out
+    return unflatten((keys, jax.device_get(var.get_value())) for keys, var in nnx.to_flat_state(state))

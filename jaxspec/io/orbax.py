@@ -7,7 +7,7 @@
     OUT/params/<group>.done       written once that group's save has finished (a rerun skips it)
     OUT/jaxspec_checkpoint.json   the completion marker: written LAST, after every group is finalized
 
-Int4Array leaves are stored as their two arrays {"packed": uint8, "scale": bf16}. Restoring reads each group with
+Int4Array leaves are stored as their two arrays {"packed": uint8, "scale": bf16}. `restore_params` reads each group with
 `ShapeDtypeStruct`s that carry the per-layer slice of the target sharding (so each process reads only its slices)
 and writes it into the stacked, already-sharded array in place (donated), so device memory peaks at the model plus
 one layer.
@@ -24,14 +24,13 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import KimiConfig
-from jaxspec.hf import CheckpointError
+from jaxspec.io.hf import CheckpointError
 from jaxspec.models.quant import Int4Array
-from jaxspec.target import Target
-from sharding.rules import DEFAULT_RULES, ShardingRules
+from jaxspec.pytree import get_path, unflatten
 
 FORMAT = "jaxspec-orbax"
 VERSION = 1
@@ -100,50 +99,47 @@ def read_marker(root: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def maybe_restore(
-    path: str | Path, *, mesh: Mesh, dtype=jnp.bfloat16, rules: ShardingRules = DEFAULT_RULES
-) -> Target | None:
-    """Restore a converted target onto `mesh`; None if `path` is not a conversion output (an HF directory)."""
-    marker = read_marker(path)
-    if marker is None:
-        return None
-    return restore_target(path, mesh=mesh, dtype=dtype, rules=rules)
-
-
-def restore_target(path: str | Path, *, mesh: Mesh, dtype=jnp.bfloat16, rules: ShardingRules = DEFAULT_RULES) -> Target:
-    """Restore a complete conversion output into `Target.abstract(cfg, mesh=mesh, dtype=dtype)`'s shardings."""
-    path = Path(path)
-    cfg = KimiConfig.from_pretrained(path)
+def check_complete(path: str | Path, cfg: KimiConfig) -> None:
+    """Raise CheckpointError unless every group of a conversion marked complete is there and finalized."""
     missing = [g for g in group_names(cfg) if not is_group_complete(path, g)]
     if missing:
         raise CheckpointError(f"{path}: marked complete but groups are missing or unfinalized: {missing}")
-    abstract = Target.abstract(cfg, mesh=mesh, dtype=dtype, int4_experts=cfg.quant is not None, rules=rules)
-    flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(abstract.params)]
+
+
+def restore_params(path: str | Path, cfg: KimiConfig, abstract: Any) -> Any:
+    """The parameters of a complete conversion output, restored into `abstract`'s shardings.
+
+    `abstract` is the nnx.State of ShapeDtypeStructs with shardings that `Target.abstract` builds; the result is the
+    same State holding arrays. Decoder layers are written one at a time into their stacked, sharded arrays.
+    """
+    path = Path(path)
+    check_complete(path, cfg)
+    flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(abstract)]
     ck = ocp.StandardCheckpointer()
-    values: dict[tuple, Any] = {}
-
     top = {p[0]: flatten_int4(v) for p, v in flat if p[0] not in STACKS}
-    for k, v in ck.restore(group_dir(path, "top"), top).items():
-        values[(k,)] = v
-
+    values: dict[tuple, Any] = {(k,): v for k, v in ck.restore(group_dir(path, "top"), top).items()}
     for stack in STACKS:
         leaves = {p[1:]: v for p, v in flat if p[0] == stack}
-        if not leaves:
-            continue
-        abstract_stack = {p: flatten_int4(v) for p, v in leaves.items()}
-        stacked = _zeros(abstract_stack)  # one program per stack, not per parameter
-        per_layer = {p: jax.tree.map(_layer_slice, v) for p, v in abstract_stack.items()}
-        for layer in (i for i in range(cfg.num_hidden_layers) if stack_of(cfg, i)[0] == stack):
-            restored = ck.restore(group_dir(path, layer_group(layer)), _nest(per_layer))
-            got = {p: _get(restored, p) for p in leaves}
-            stacked = _put(stacked, got, jnp.int32(stack_of(cfg, layer)[1]))  # in place (donated)
-            del restored, got
-        for p, v in leaves.items():
-            s = stacked[p]
-            values[(stack, *p)] = Int4Array(s["packed"], s["scale"], v.group_size) if isinstance(v, Int4Array) else s
+        if leaves:
+            values.update({(stack, *p): v for p, v in _restore_stack(ck, path, cfg, stack, leaves).items()})
+    return nnx.from_flat_state([(p, var.replace(values[p])) for p, var in nnx.to_flat_state(abstract)])
 
-    params = nnx.from_flat_state([(p, var.replace(values[p])) for p, var in nnx.to_flat_state(abstract.params)])
-    return Target(cfg, mesh, abstract.graphdef, params, rules)
+
+def _restore_stack(ck: ocp.StandardCheckpointer, path: Path, cfg: KimiConfig, stack: str, leaves: dict) -> dict:
+    """{path within the stack: stacked array (Int4Array for INT4 leaves)}, one layer group read at a time."""
+    abstract_stack = {p: flatten_int4(v) for p, v in leaves.items()}
+    stacked = _zeros(abstract_stack)  # one program per stack, not per parameter
+    per_layer = {p: jax.tree.map(_layer_slice, v) for p, v in abstract_stack.items()}
+    for layer in (i for i in range(cfg.num_hidden_layers) if stack_of(cfg, i)[0] == stack):
+        restored = ck.restore(group_dir(path, layer_group(layer)), unflatten(per_layer))
+        got = {p: get_path(restored, p) for p in leaves}
+        stacked = _put(stacked, got, jnp.int32(stack_of(cfg, layer)[1]))  # in place (donated)
+        del restored, got
+    out = {}
+    for p, v in leaves.items():
+        s = stacked[p]
+        out[p] = Int4Array(s["packed"], s["scale"], v.group_size) if isinstance(v, Int4Array) else s
+    return out
 
 
 def _zeros(abstract: Any) -> Any:
@@ -162,19 +158,3 @@ def _put(stacked: Any, layer: Any, index: jax.Array) -> Any:
     """Write one layer into every stacked parameter at `index` (leading axis)."""
     put = lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), index, 0)  # noqa: E731
     return jax.tree.map(put, stacked, layer)
-
-
-def _nest(flat: dict[tuple, Any]) -> dict:
-    out: dict = {}
-    for p, v in flat.items():
-        d = out
-        for k in p[:-1]:
-            d = d.setdefault(k, {})
-        d[p[-1]] = v
-    return out
-
-
-def _get(tree: dict, path: tuple) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree

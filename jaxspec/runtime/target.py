@@ -2,15 +2,14 @@
 
 `Target.apply` is the shard_map'd forward (use it inside your own jit, e.g. the speculative loop); `logits`,
 `hidden_states` and `forward` are jitted conveniences for users and tests. Shapes are per call; jit caches one
-program per distinct (shape, capture, impl).
+program per distinct (shape, capture, impl). Reading and writing checkpoints is `jaxspec.io`'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -40,7 +39,8 @@ def _is_var(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Target:
-    """A Kimi/DeepSeek-V3 target on a mesh. Build with `load_target`, `Target.random` or `Target.abstract`."""
+    """A Kimi/DeepSeek-V3 target on a mesh. Build with `jaxspec.io.load_target`, `Target.random`, `Target.abstract`
+    or `Target.from_host`."""
 
     config: KimiConfig
     mesh: Mesh
@@ -50,7 +50,8 @@ class Target:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _abstract_model(cfg: KimiConfig, dtype, int4_experts: bool | None) -> nnx.Module:
+    def abstract_model(cfg: KimiConfig, dtype, int4_experts: bool | None) -> nnx.Module:
+        """The model's structure with ShapeDtypeStruct leaves (nothing allocated)."""
         return nnx.eval_shape(lambda: KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rngs=nnx.Rngs(0)))
 
     @classmethod
@@ -71,8 +72,8 @@ class Target:
     ) -> Target:
         """Randomly initialised weights, created directly in their shardings."""
         mesh = mesh or single_device_mesh()
-        _check_mesh(cfg, mesh, rules)
-        graphdef, abstract = nnx.split(cls._abstract_model(cfg, dtype, int4_experts))
+        check_mesh(cfg, mesh, rules)
+        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts))
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cls.param_specs(abstract, rules))
         make = lambda: nnx.state(KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rngs=nnx.Rngs(seed)))  # noqa: E731
         params = jax.jit(make, out_shardings=shardings)()
@@ -90,8 +91,8 @@ class Target:
     ) -> Target:
         """Shapes, dtypes and shardings only: for lowering/compiling the real model without allocating it."""
         mesh = mesh or single_device_mesh()
-        _check_mesh(cfg, mesh, rules)
-        graphdef, abstract = nnx.split(cls._abstract_model(cfg, dtype, int4_experts))
+        check_mesh(cfg, mesh, rules)
+        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts))
 
         def with_sharding(var, spec):
             sharding = NamedSharding(mesh, spec)
@@ -102,9 +103,41 @@ class Target:
         params = jax.tree.map(with_sharding, abstract, cls.param_specs(abstract, rules), is_leaf=_is_var)
         return cls(cfg, mesh, graphdef, params, rules)
 
+    @classmethod
+    def from_host(
+        cls,
+        cfg: KimiConfig,
+        host: Mapping[tuple, Any],
+        *,
+        mesh: Mesh | None = None,
+        dtype=jnp.bfloat16,
+        rules: ShardingRules = DEFAULT_RULES,
+    ) -> Target:
+        """Place host weights ({param path: numpy array or Int4Array}, every parameter of the model) on `mesh`.
+
+        Each array goes straight from host memory to its shards, cast to the parameter's dtype (INT4 scales to the
+        scale dtype); routed experts are INT4 exactly when the config has a quant scheme."""
+        mesh = mesh or single_device_mesh()
+        check_mesh(cfg, mesh, rules)
+        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, cfg.quant is not None))
+
+        def place(path, var):
+            expect, value = var.get_value(), host[path]
+            # Host arrays go straight to their shards (a device array would be resharded by a compiled program).
+            if isinstance(expect, Int4Array):
+                scale = np.asarray(value.scale).astype(expect.scale.dtype)
+                arr = Int4Array(np.asarray(value.packed, np.uint8), scale, expect.group_size)
+            else:
+                arr = np.asarray(value).astype(expect.dtype)
+            spec = rules.spec(var.get_metadata()["logical_axes"])
+            return path, var.replace(jax.device_put(arr, NamedSharding(mesh, spec)))
+
+        params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
+        return cls(cfg, mesh, graphdef, params, rules)
+
     def on_mesh(self, mesh: Mesh) -> Target:
         """The same weights placed on another mesh (e.g. 1 device -> 1x8)."""
-        _check_mesh(self.config, mesh, self.rules)
+        check_mesh(self.config, mesh, self.rules)
         specs = self.param_specs(self.params, self.rules)
         params = jax.device_put(self.params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
         return dataclasses.replace(self, mesh=mesh, params=params)
@@ -258,7 +291,8 @@ def _jit_forward(target, params, tokens, pos, cache, capture, impl):
     return target.apply(params, tokens, pos, cache, capture=capture, impl=impl)
 
 
-def _check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules) -> None:
+def check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> None:
+    """Raise if a dimension the rules split over a mesh axis does not divide by that axis' size."""
     check_divisible(
         mesh,
         {
@@ -270,45 +304,3 @@ def _check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules) -> None:
         rules,
     )
     check_divisible(mesh, {"mlp": cfg.moe_intermediate_size * cfg.n_shared_experts}, rules)
-
-
-def load_target(
-    path: str | Path, *, mesh: Mesh | None = None, dtype=jnp.bfloat16, rules: ShardingRules = DEFAULT_RULES
-) -> Target:
-    """Load an HF-layout checkpoint directory (config.json + safetensors; bf16 or INT4 pack-quantized experts), or
-    a `jaxspec-convert target` output (Orbax), restored straight into the mesh's shardings."""
-    from jaxspec.checkpoint import maybe_restore
-    from jaxspec.hf import read_params
-
-    mesh = mesh or single_device_mesh()
-    converted = maybe_restore(path, mesh=mesh, dtype=dtype, rules=rules)  # None for an HF directory
-    if converted is not None:
-        return converted
-    cfg = KimiConfig.from_pretrained(path)
-    _check_mesh(cfg, mesh, rules)
-    int4 = cfg.quant is not None
-    graphdef, abstract = nnx.split(Target._abstract_model(cfg, dtype, int4))
-    host = read_params(path, cfg, int4_experts=int4, dtype=np.dtype(jnp.dtype(dtype)))
-    flat_host = dict(_flatten(host))
-
-    def place(path_, var):
-        expect, value = var.get_value(), flat_host[path_]
-        # Host arrays go straight to their shards (a device array would be resharded by a compiled program).
-        if isinstance(expect, Int4Array):
-            scale = np.asarray(value.scale).astype(expect.scale.dtype)
-            arr = Int4Array(np.asarray(value.packed, np.uint8), scale, expect.group_size)
-        else:
-            arr = np.asarray(value).astype(expect.dtype)
-        spec = rules.spec(var.get_metadata()["logical_axes"])
-        return path_, var.replace(jax.device_put(arr, NamedSharding(mesh, spec)))
-
-    params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
-    return Target(cfg, mesh, graphdef, params, rules)
-
-
-def _flatten(tree, prefix=()):
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, (*prefix, k))
-        else:
-            yield (*prefix, k), v

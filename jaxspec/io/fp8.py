@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.config import ConfigError
-from jaxspec.hf import CheckpointError, SafetensorsDir
+from jaxspec.io.hf import CheckpointError, SafetensorsDir
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 DTYPES: dict[str, Any] = {

@@ -1,0 +1,17 @@
+"""Checkpoint I/O: every file the target and the drafter are read from or written to.
+
+hf.py                  HF safetensors reading and the target's name table (both directions)
+fp8.py                 FP8 block-quantised checkpoints, read dequantised; one-read safetensors access
+compressed_tensors.py  the compressed-tensors INT4 "pack-quantized" codec
+export.py              writing a target as an HF DeepseekV3 checkpoint (INT4 experts)
+drafter_hf.py          EAGLE-3 drafter checkpoints (SGLang, speculators, MLA), read and written by one table
+orbax.py               the layout of a `jaxspec-convert target` output, and restoring its parameters
+load.py                load_target, load_drafter, load_drafter_or_random
+"""
+
+from jaxspec.io.drafter_hf import save_drafter
+from jaxspec.io.export import save_target
+from jaxspec.io.hf import CheckpointError
+from jaxspec.io.load import load_drafter, load_drafter_or_random, load_target
+
+__all__ = ["CheckpointError", "load_drafter", "load_drafter_or_random", "load_target", "save_drafter", "save_target"]
