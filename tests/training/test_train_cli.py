@@ -9,14 +9,14 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jaxspec.training.cli import add_train_arguments, cmd_train_drafter
+from jaxspec.cli import train_drafter as train_cli
 from tests.reference.hf_tiny import hf_config, save_hf_model
 
 
 def run(*argv) -> int:
     parser = argparse.ArgumentParser(prog="jaxspec train-drafter")
-    add_train_arguments(parser)
-    return cmd_train_drafter(parser.parse_args([str(a) for a in argv]))
+    train_cli.add_arguments(parser)
+    return train_cli.run(parser.parse_args([str(a) for a in argv]))
 
 
 @pytest.fixture(scope="module")
