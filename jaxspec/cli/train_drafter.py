@@ -101,7 +101,7 @@ def read_prompt_file(path: Path, *, ids: bool) -> list[str | list[int]]:
 def _check_args(args) -> tuple:
     """Everything that can be checked without the target's weights: (config, prompts or None, data dir, TrainConfig)."""
     from jaxspec.config import ConfigError, KimiConfig
-    from jaxspec.training.trainer import DEFAULT_DRAFT_VOCAB, TrainConfig
+    from jaxspec.training.trainer import DEFAULT_DRAFT_VOCAB
 
     if not args.target.is_dir():
         raise _fail(f"--target: {args.target} is not a directory")
@@ -117,19 +117,28 @@ def _check_args(args) -> tuple:
     for flag in ("ttt_depth", "steps", "batch_size", "max_new_tokens", "checkpoint_every", "shard_size"):
         if getattr(args, flag) < 1:
             raise _fail(f"--{flag.replace('_', '-')}: expected a positive integer, got {getattr(args, flag)}")
+    config = train_config(args)
+    if config.capture_layers and not all(0 <= x < cfg.num_hidden_layers for x in config.capture_layers):
+        layers = list(config.capture_layers)
+        raise _fail(f"--capture-layers: {layers} must be layer outputs in [0, {cfg.num_hidden_layers})")
+    if (args.out / "train_config.json").is_file() and not args.resume:
+        raise _fail(f"--out: {args.out} holds an earlier training run; pass --resume to continue it, or another --out")
+    prompts, data_dir = _data_source(args, V)
+    return cfg, prompts, data_dir, config
+
+
+def train_config(args: argparse.Namespace):
+    """The TrainConfig of the parsed flags (one flag per field; --capture-layers parsed from comma-separated text)."""
+    from jaxspec.training.trainer import TrainConfig
+
     layers = None
     if args.capture_layers:
         try:
             layers = tuple(int(x) for x in args.capture_layers.split(","))
         except ValueError:
             raise _fail(f"--capture-layers: expected comma-separated integers, got {args.capture_layers!r}") from None
-        if not all(0 <= x < cfg.num_hidden_layers for x in layers):
-            raise _fail(f"--capture-layers: {list(layers)} must be layer outputs in [0, {cfg.num_hidden_layers})")
-    if (args.out / "train_config.json").is_file() and not args.resume:
-        raise _fail(f"--out: {args.out} holds an earlier training run; pass --resume to continue it, or another --out")
-    prompts, data_dir = _data_source(args, V)
     settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    return cfg, prompts, data_dir, TrainConfig(**settings | {"capture_layers": layers})
+    return TrainConfig(**settings | {"capture_layers": layers})
 
 
 def _data_source(args, vocab_size: int) -> tuple[list | None, Path]:
