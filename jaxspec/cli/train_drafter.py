@@ -54,7 +54,7 @@ def add_train_config_args(group) -> None:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        kind = next((t for t in (float, int) if t in (hints[f.name], *typing.get_args(hints[f.name]))), str)
+        kind = next((t for t in (float, int) if t in (hints[f.name], *typing.get_args(hints[f.name]))), None)
         help = f.metadata["help"] + (" (%(default)s)" if f.default is not None else "")
         metavar = flag[2:].upper().replace("-", "_")
         group.add_argument(flag, dest=f.name, metavar=metavar, type=kind, default=f.default, help=help)
