@@ -1,4 +1,4 @@
-"""`python -m jaxspec` is the `jaxspec` command (see jaxspec/cli.py)."""
+"""`python -m jaxspec` is the `jaxspec` command (see jaxspec/cli/)."""
 
 import sys
 

@@ -10,7 +10,8 @@ import pytest
 
 import jaxspec
 from jaxspec import bundled
-from jaxspec.cli import _target, build_parser, main
+from jaxspec.cli import build_parser, main
+from jaxspec.cli.args import build_target
 from jaxspec.decoding import generate as generate_module
 from jaxspec.decoding.generate import GenerateResult
 
@@ -79,10 +80,10 @@ def test_bad_config_file_is_one_line(bad_eps_model):
 
 def test_mesh_subset_with_devices():
     args = build_parser().parse_args(["inspect", "--preset", "tiny", "--devices", "4-5", "--mesh", "1x2"])
-    target, _ = _target(args, abstract=True)
+    target, _ = build_target(args, abstract=True)
     assert target.mesh.devices.ravel().tolist() == jax.devices()[4:6]
     with pytest.raises(SystemExit, match=r"needs 4 devices, 8 available; .*--devices 4"):
-        _target(build_parser().parse_args(["inspect", "--preset", "tiny", "--mesh", "1x4"]), abstract=True)
+        build_target(build_parser().parse_args(["inspect", "--preset", "tiny", "--mesh", "1x4"]), abstract=True)
 
 
 def test_stream_holds_back_a_character_split_across_chunks(monkeypatch, capsys):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,9 +25,6 @@ from sharding.mesh import DATA
 MAX_NUM_STEPS = 16
 MIN_PROMPT_BUCKET = 16
 PREFILL_CHUNK = 256
-
-# One SpecLoop (its jitted programs and trace counter) per (target, drafter); dropped with the target.
-_LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -52,16 +48,43 @@ class Progress:
     done: list[bool]
 
 
-def _bucket(n: int, minimum: int = 1) -> int:
+def bucket(n: int, minimum: int = 1) -> int:
+    """The padded size of `n`: the next power of two, at least `minimum`."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-def _loop_for(target, drafter) -> SpecLoop:
-    per_target = _LOOPS.setdefault(target, {})
-    key = id(drafter) if drafter is not None else None
-    if key not in per_target or per_target[key].drafter is not drafter:
-        per_target[key] = SpecLoop(target, drafter)
-    return per_target[key]
+class LoopCache:
+    """Compiled decoding loops kept for reuse across `generate` calls: one `SpecLoop` (its jitted prefill and cycle
+    programs and their trace counter) per (target, drafter).
+
+    The loops hold programs that take seconds to minutes to compile, so they must outlive a call; who keeps them is
+    the owner of this object, in sight of the caller (it replaces a module-level registry, which hid that and kept
+    every target alive):
+    - `generate(..., loops=cache)` shares programs between the calls you make with that cache (the CLI keeps one per
+      command, the tuner one per sweep);
+    - without `loops=`, `generate` uses `LoopCache.of(target)`, the cache held by the target itself, so the programs
+      live exactly as long as the target object (as `Target.logits` keeps its jitted programs per target).
+    """
+
+    # Attribute of the Target instance holding its cache (set on first use; Target is a frozen dataclass, so the
+    # instance dict is written directly, as functools.cached_property does).
+    ATTRIBUTE = "decoding_loops"
+
+    def __init__(self) -> None:
+        self._loops: dict[tuple[int, int | None], SpecLoop] = {}
+
+    def loop(self, target, drafter) -> SpecLoop:
+        """The loop of (target, drafter); drafter None: plain decoding. Keyed by identity."""
+        key = (id(target), None if drafter is None else id(drafter))
+        loop = self._loops.get(key)
+        if loop is None or loop.target is not target or loop.drafter is not drafter:  # ids of dead objects reused
+            loop = self._loops[key] = SpecLoop(target, drafter)
+        return loop
+
+    @classmethod
+    def of(cls, target) -> LoopCache:
+        """The cache held by `target` (created on first use)."""
+        return vars(target).setdefault(cls.ATTRIBUTE, cls())
 
 
 def _prompt_ids(prompts, tokenizer) -> list[list[int]]:
@@ -122,6 +145,7 @@ def generate(
     on_cycles: Callable[[list[list[int]]], None] | None = None,
     stream_cycles: int = 8,
     on_progress: Callable[[Progress], None] | None = None,
+    loops: LoopCache | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` per prompt with EAGLE-3 speculative decoding (`num_steps` draft tokens per
     cycle; 0 = plain decoding, drafter may be None). Greedy at temperature 0 (output identical to plain greedy);
@@ -130,9 +154,55 @@ def generate(
     `stop`: extra stop token ids (the target config's eos and the tokenizer's stop ids always apply). `on_cycles`
     receives the tokens generated so far after every `stream_cycles` cycles (for streaming output); `on_progress`
     receives a `Progress` (tokens, cycles, acceptance counters, finished prompts) at the same points. The time spent
-    inside the callbacks is counted in `stats["seconds"]`.
+    inside the callbacks is counted in `stats["seconds"]`. `loops`: where the compiled loop is kept (see `LoopCache`;
+    default: the target's own cache).
     """
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    _check_counts(num_steps, drafter, max_new_tokens, stream_cycles)
+    cfg = target.config
+    stop = _check_seed_and_stop(seed, stop, cfg.vocab_size)
+    ids = _prompt_ids(prompts, tokenizer)
+    layout = _Layout.of(ids, target, max_new_tokens, num_steps)
+    stop_ids = set(cfg.stop_token_ids) | set(stop) | set(getattr(tokenizer, "stop_ids", ()) or ())
+
+    loop = (loops if loops is not None else LoopCache.of(target)).loop(target, drafter)
+    traces_before = loop.traces
+    loop_cfg = LoopConfig(
+        num_steps, sampling, tuple(sorted(stop_ids)), layout.prompt, min(PREFILL_CHUNK, layout.prompt)
+    )
+    state_in = layout.state_in(ids, target, max_new_tokens, seed)
+    budget = stream_cycles if on_cycles is not None or on_progress is not None else max_new_tokens + 1
+    start = time.perf_counter()
+    state = _decode(loop, loop_cfg, target, drafter, layout, state_in, budget, (on_cycles, on_progress), len(ids))
+    seconds = time.perf_counter() - start
+    out = _collect(state, len(ids))
+    stats = _stats(state, out, num_steps, seconds) | {
+        "compiles": loop.traces - traces_before,
+        "buckets": {"batch": layout.batch, "prompt": layout.prompt, "buffer": layout.buffer},
+    }
+    text = [tokenizer.decode(t) for t in out] if tokenizer is not None else None
+    return GenerateResult(out, text, stats)
+
+
+def _decode(loop: SpecLoop, loop_cfg: LoopConfig, target, drafter, layout, state_in, budget: int, callbacks, n: int):
+    """Prefill, then run the loop `budget` cycles at a time (handing the progress to the callbacks after each run)
+    until every row is done; returns the final LoopState."""
+    on_cycles, on_progress = callbacks
+    use_drafter = drafter is not None and loop_cfg.num_steps > 0
+    dparams = drafter.params if use_drafter else None
+    draft_cache = drafter.init_cache(layout.batch, layout.buffer) if use_drafter else None
+    tcache = target.init_cache(layout.batch, layout.buffer)
+    state = loop.prefill(loop_cfg, target.params, dparams, tcache, draft_cache, state_in)
+    while True:
+        state = loop.run(loop_cfg, target.params, dparams, state, jnp.int32(budget))
+        done_B = np.asarray(state.done_B)
+        if on_cycles is not None or on_progress is not None:
+            _report(state, done_B, n, on_cycles, on_progress)
+        if done_B.all():
+            return state
+
+
+def _check_counts(num_steps: Any, drafter, max_new_tokens: Any, stream_cycles: Any) -> None:
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= MAX_NUM_STEPS:
         raise ValueError(f"num_steps: expected an integer in [0, {MAX_NUM_STEPS}], got {num_steps!r}")
     if num_steps and drafter is None:
@@ -141,99 +211,81 @@ def generate(
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
     if isinstance(stream_cycles, bool) or not isinstance(stream_cycles, int) or stream_cycles < 1:
         raise ValueError(f"stream_cycles: expected an integer >= 1, got {stream_cycles!r}")
-    cfg = target.config
-    stop = _check_seed_and_stop(seed, stop, cfg.vocab_size)
-    ids = _prompt_ids(prompts, tokenizer)
-    for i, p in enumerate(ids):
-        if min(p) < 0 or max(p) >= cfg.vocab_size:
-            raise ValueError(
-                f"prompts[{i}]: token ids must be in [0, {cfg.vocab_size}); got min {min(p)}, max {max(p)}"
-            )
-    longest = max(len(p) for p in ids)
-    prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
-    buffer = _bucket(prompt_bucket + max_new_tokens + num_steps + 2)
-    if longest + max_new_tokens + num_steps + 1 > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + num_steps {num_steps} exceeds the "
-            f"context of {cfg.max_position_embeddings} positions"
-        )
-    stop_ids = set(cfg.stop_token_ids) | set(stop) | set(getattr(tokenizer, "stop_ids", ()) or ())
 
-    data = target.mesh.shape[DATA]
-    # Small batches to powers of two, larger ones to multiples of 8 (bounded padding); always whole data shards.
-    batch = _bucket(len(ids)) if len(ids) <= 8 else -(-len(ids) // 8) * 8
-    batch = -(-batch // data) * data
-    tokens = np.zeros((batch, buffer), np.int32)
-    prompt_len = np.ones((batch,), np.int32)
-    for i, p in enumerate(ids):
-        tokens[i, : len(p)] = p
-        prompt_len[i] = len(p)
-    pad = np.arange(batch) >= len(ids)
 
-    loop = _loop_for(target, drafter)
-    traces_before = loop.traces
-    loop_cfg = LoopConfig(
-        num_steps, sampling, tuple(sorted(stop_ids)), prompt_bucket, min(PREFILL_CHUNK, prompt_bucket)
-    )
-    rep = NamedSharding(target.mesh, P())
-    use_drafter = drafter is not None and num_steps > 0
-    dparams = drafter.params if use_drafter else None
-    draft_cache = drafter.init_cache(batch, buffer) if use_drafter else None
-    state_in = {
-        "tokens_BS": jax.device_put(tokens, rep),
-        "prompt_len_B": jax.device_put(prompt_len, rep),
-        "max_new_B": jax.device_put(np.full((batch,), max_new_tokens, np.int32), rep),
-        "pad_B": jax.device_put(pad, rep),
-        "key": jax.device_put(jax.random.key(int(seed)), rep),
-    }
-    start = time.perf_counter()
-    state = loop.prefill(loop_cfg, target.params, dparams, target.init_cache(batch, buffer), draft_cache, state_in)
-    streaming = on_cycles is not None or on_progress is not None
-    while True:
-        limit = jnp.int32(stream_cycles if streaming else max_new_tokens + 1)
-        state = loop.run(loop_cfg, target.params, dparams, state, limit)
-        done_B = np.asarray(state.done_B)
-        if streaming:
-            tokens_so_far = _collect(state, len(ids))
-            if on_cycles is not None:
-                on_cycles(tokens_so_far)
-            if on_progress is not None:
-                on_progress(
-                    Progress(
-                        tokens_so_far,
-                        int(state.cycles),
-                        np.asarray(state.reached_J).copy(),
-                        np.asarray(state.accepted_J).copy(),
-                        done_B[: len(ids)].tolist(),
-                    )
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The bucketed shapes of one call: padded batch, prompt length and token buffer."""
+
+    batch: int
+    prompt: int
+    buffer: int
+
+    @classmethod
+    def of(cls, ids: list[list[int]], target, max_new_tokens: int, num_steps: int) -> _Layout:
+        """Check the prompts against the target's vocabulary and context, and bucket the shapes."""
+        cfg = target.config
+        for i, p in enumerate(ids):
+            if min(p) < 0 or max(p) >= cfg.vocab_size:
+                raise ValueError(
+                    f"prompts[{i}]: token ids must be in [0, {cfg.vocab_size}); got min {min(p)}, max {max(p)}"
                 )
-        if done_B.all():
-            break
-    seconds = time.perf_counter() - start
-    out = _collect(state, len(ids))
+        longest = max(len(p) for p in ids)
+        prompt = bucket(longest, MIN_PROMPT_BUCKET)
+        if longest + max_new_tokens + num_steps + 1 > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + num_steps {num_steps} exceeds the "
+                f"context of {cfg.max_position_embeddings} positions"
+            )
+        data = target.mesh.shape[DATA]
+        # Small batches to powers of two, larger ones to multiples of 8 (bounded padding); always whole data shards.
+        batch = bucket(len(ids)) if len(ids) <= 8 else -(-len(ids) // 8) * 8
+        batch = -(-batch // data) * data
+        return cls(batch, prompt, bucket(prompt + max_new_tokens + num_steps + 2))
+
+    def state_in(self, ids: list[list[int]], target, max_new_tokens: int, seed: int) -> dict[str, jax.Array]:
+        """The loop's inputs: padded prompts and per-row lengths and budgets, replicated on the target's mesh."""
+        tokens = np.zeros((self.batch, self.buffer), np.int32)
+        prompt_len = np.ones((self.batch,), np.int32)
+        for i, p in enumerate(ids):
+            tokens[i, : len(p)] = p
+            prompt_len[i] = len(p)
+        rep = NamedSharding(target.mesh, P())
+        return {
+            "tokens_BS": jax.device_put(tokens, rep),
+            "prompt_len_B": jax.device_put(prompt_len, rep),
+            "max_new_B": jax.device_put(np.full((self.batch,), max_new_tokens, np.int32), rep),
+            "pad_B": jax.device_put(np.arange(self.batch) >= len(ids), rep),
+            "key": jax.device_put(jax.random.key(int(seed)), rep),
+        }
+
+
+def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:
+    """Hand the tokens so far (and with `on_progress`, the counters) to the streaming callbacks."""
+    tokens_so_far = _collect(state, n)
+    if on_cycles is not None:
+        on_cycles(tokens_so_far)
+    if on_progress is not None:
+        reached, accepted = np.asarray(state.reached_J).copy(), np.asarray(state.accepted_J).copy()
+        on_progress(Progress(tokens_so_far, int(state.cycles), reached, accepted, done_B[:n].tolist()))
+
+
+def _stats(state, out: list[list[int]], num_steps: int, seconds: float) -> dict[str, Any]:
     reached, accepted = np.asarray(state.reached_J), np.asarray(state.accepted_J)
-    cycles = int(state.cycles)
+    hist = np.asarray(state.accept_hist_A)
     new_tokens = sum(len(t) for t in out)
-    stats = {
-        "cycles": cycles,
+    return {
+        "cycles": int(state.cycles),
         "new_tokens": new_tokens,
         "num_steps": num_steps,
         "reached": reached.tolist(),
         "accepted": accepted.tolist(),
         "acceptance_rate": (accepted / np.maximum(reached, 1)).tolist(),
-        "accepted_length_histogram": np.asarray(state.accept_hist_A).tolist(),
-        "mean_accepted_length": float(
-            (np.asarray(state.accept_hist_A) * np.arange(num_steps + 1)).sum()
-            / max(np.asarray(state.accept_hist_A).sum(), 1)
-            + 1
-        ),
+        "accepted_length_histogram": hist.tolist(),
+        "mean_accepted_length": float((hist * np.arange(num_steps + 1)).sum() / max(hist.sum(), 1) + 1),
         "seconds": seconds,
         "tokens_per_second": new_tokens / seconds if seconds > 0 else float("nan"),
-        "compiles": loop.traces - traces_before,
-        "buckets": {"batch": batch, "prompt": prompt_bucket, "buffer": buffer},
     }
-    text = [tokenizer.decode(t) for t in out] if tokenizer is not None else None
-    return GenerateResult(out, text, stats)
 
 
 def _collect(state, n: int) -> list[list[int]]:

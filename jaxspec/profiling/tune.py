@@ -16,7 +16,6 @@ Measurement design (timings on shared machines drift by 10-20% over seconds, far
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxspec.decoding.generate import MIN_PROMPT_BUCKET, LoopCache, bucket, generate
 from jaxspec.profiling.cost_model import (
     GAP_TOLERANCE,
     CostModel,
@@ -105,10 +105,10 @@ def run_depth(
     max_new_tokens: int,
     stream_cycles: int,
     reps: int = 1,
+    loops: LoopCache | None = None,
 ) -> tuple[list[Chunk], dict[str, Any]]:
     """One `generate` run at depth k with the phases of k timed after every chunk; returns its steady chunks (see the
-    module docstring) and the run's stats."""
-    from jaxspec.decoding.generate import generate
+    module docstring) and the run's stats. `loops`: the compiled loops to reuse (see `LoopCache`)."""
 
     marks = []
 
@@ -125,6 +125,7 @@ def run_depth(
         num_steps=k,
         stream_cycles=stream_cycles,
         on_progress=hook,
+        loops=loops,
     ).stats
     return steady_chunks(marks), stats
 
@@ -153,11 +154,42 @@ def tune(
 
     `repeats` rounds over all k; each phase is timed `reps` x `inner` calls after every chunk of `stream_cycles`
     cycles. Raises ValueError when some k has no steady chunk (every prompt must run at least two chunks)."""
-    import jax
-    import jaxlib
+    ks, prompts = _check_sweep(ks, drafter, prompts, repeats)
+    sweep = _Sweep(target, drafter, prompts, max_new_tokens, stream_cycles, reps, LoopCache())
+    bar = tqdm(total=(repeats + 1) * len(ks), desc="jaxspec tune", unit="run", disable=not verbose)
+    timer_of = sweep.compile(ks, inner, bar)
+    chunks: dict[int, list[Chunk]] = {k: [] for k in ks}
+    last_stats: dict[int, dict] = {}
+    for round_ in range(repeats):
+        for k in ks if round_ % 2 == 0 else ks[::-1]:
+            bar.set_postfix(k=k, round=round_ + 1)
+            got, last_stats[k] = sweep.run(k, timer_of[k])
+            chunks[k] += got
+            bar.update()
+    bar.close()
+    empty = [k for k in ks if not chunks[k]]
+    if empty:
+        raise ValueError(
+            f"k = {empty}: no steady chunk (after the first {stream_cycles} cycles and before any prompt finished); "
+            f"raise max_new_tokens (now {max_new_tokens}) or lower stream_cycles"
+        )
+    counters = {k: pool_counters((c.reached, c.accepted) for c in chunks[k]) for k in ks}  # per k, its chunks
+    model = _fit(chunks, counters, timer_of, ks, reps, len(prompts))
+    rows = [_row(k, model, _measured(chunks[k], counters[k], last_stats[k], len(prompts))) for k in ks]
+    settings = {"rounds": repeats, "stream_cycles": stream_cycles, "phase_calls_per_chunk": reps * inner}
+    report = _report(rows, model, counters, settings, timer_of[ks[-1]], target, max_new_tokens, collective_preset)
+    if verbose:
+        print(format_table(report))
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tune.json").write_text(json.dumps(report, indent=2) + "\n")
+        report["plot"] = plot(report, out / "tune.png")
+    return report
 
-    from jaxspec.decoding.generate import MIN_PROMPT_BUCKET, _bucket, generate
 
+def _check_sweep(ks: Iterable[int], drafter, prompts, repeats: int) -> tuple[list[int], list[list[int]]]:
+    """The sorted distinct depths and the prompts as lists of ints, or ValueError naming the bad argument."""
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 0:
         raise ValueError(f"ks: expected non-negative draft depths, got {ks}")
@@ -168,120 +200,140 @@ def tune(
         raise ValueError("prompts: expected at least one prompt of token ids")
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1 rounds, got {repeats}")
+    return ks, prompts
 
-    # Compile every loop and phase program first, one phase timer per (batch, buffer) bucket the loops use.
-    context = _bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET) + max_new_tokens // 2
-    timers: dict[tuple[int, int], PhaseTimer] = {}
-    timer_of: dict[int, PhaseTimer] = {}
-    bar = tqdm(total=(repeats + 1) * len(ks), desc="jaxspec tune", unit="run", disable=not verbose)
-    for k in ks:
-        bar.set_postfix(k=k, round="compile")
-        first = generate(target, drafter if k else None, prompts, max_new_tokens=max_new_tokens, num_steps=k)
-        shape = (first.stats["buckets"]["batch"], first.stats["buckets"]["buffer"])
-        if shape not in timers:
-            timers[shape] = PhaseTimer(
-                target, drafter, batch=shape[0], cache_len=shape[1], context=context, inner=inner
-            )
-        timer_of[k] = timers[shape]
-        time_phases_of(timer_of[k], k)
-        bar.update()
 
-    chunks: dict[int, list[Chunk]] = {k: [] for k in ks}
-    last_stats: dict[int, dict] = {}
-    for round_ in range(repeats):
-        for k in ks if round_ % 2 == 0 else ks[::-1]:
-            bar.set_postfix(k=k, round=round_ + 1)
-            got, last_stats[k] = run_depth(
+@dataclasses.dataclass
+class _Sweep:
+    """What every run of one sweep shares: the pair, the prompts, the run settings and the compiled loops."""
+
+    target: Any
+    drafter: Any
+    prompts: list[list[int]]
+    max_new_tokens: int
+    stream_cycles: int
+    reps: int
+    loops: LoopCache
+
+    def compile(self, ks: Sequence[int], inner: int, bar) -> dict[int, PhaseTimer]:
+        """Compile every loop and phase program first: one phase timer per (batch, buffer) bucket the loops use."""
+        target, drafter, prompts = self.target, self.drafter, self.prompts
+        context = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET) + self.max_new_tokens // 2
+        timers: dict[tuple[int, int], PhaseTimer] = {}
+        timer_of: dict[int, PhaseTimer] = {}
+        for k in ks:
+            bar.set_postfix(k=k, round="compile")
+            first = generate(
                 target,
-                drafter,
+                drafter if k else None,
                 prompts,
-                k,
-                timer_of[k],
-                max_new_tokens=max_new_tokens,
-                stream_cycles=stream_cycles,
-                reps=reps,
+                max_new_tokens=self.max_new_tokens,
+                num_steps=k,
+                loops=self.loops,
             )
-            chunks[k] += got
+            shape = (first.stats["buckets"]["batch"], first.stats["buckets"]["buffer"])
+            if shape not in timers:
+                timers[shape] = PhaseTimer(
+                    target, drafter, batch=shape[0], cache_len=shape[1], context=context, inner=inner
+                )
+            timer_of[k] = timers[shape]
+            time_phases_of(timer_of[k], k)
             bar.update()
-    bar.close()
-    empty = [k for k in ks if not chunks[k]]
-    if empty:
-        raise ValueError(
-            f"k = {empty}: no steady chunk (after the first {stream_cycles} cycles and before any prompt finished); "
-            f"raise max_new_tokens (now {max_new_tokens}) or lower stream_cycles"
+        return timer_of
+
+    def run(self, k: int, timer: PhaseTimer) -> tuple[list[Chunk], dict[str, Any]]:
+        return run_depth(
+            self.target,
+            self.drafter,
+            self.prompts,
+            k,
+            timer,
+            max_new_tokens=self.max_new_tokens,
+            stream_cycles=self.stream_cycles,
+            reps=self.reps,
+            loops=self.loops,
         )
 
-    counters = {k: pool_counters((c.reached, c.accepted) for c in chunks[k]) for k in ks}  # per k, its chunks
+
+def _fit(chunks, counters, timer_of, ks: list[int], reps: int, batch: int) -> CostModel:
+    """The cost model from the phase times of the steady chunks and the acceptance pooled over all k."""
     reached, accepted = pool_counters(counters.values())  # position j over every k >= j
-    acceptance = conditional_acceptance(reached, accepted)
     drafting = [c for k in ks if k >= 2 for c in chunks[k]]
     if 0 in ks:
         t_decode = _phase(chunks[0], "decode")
     else:
         t_decode = timer_of[ks[0]].decode(reps=max(3, reps))
-    model = CostModel(
+    return CostModel(
         t_draft=_phase(drafting, "draft") if drafting else 0.0,
         t_verify={k + 1: _phase(chunks[k], "verify") for k in ks if k},
         t_extend={k + 1: _phase(chunks[k], "extend") for k in ks if k},
         t_decode=t_decode,
-        acceptance=acceptance,
+        acceptance=conditional_acceptance(reached, accepted),
         t_other={k + 1: _phase(chunks[k], "other") for k in ks},
-        batch=len(prompts),
+        batch=batch,
     )
-    runs = {}
-    for k in ks:
-        seconds = sum(c.seconds for c in chunks[k])
-        cycles = sum(c.cycles for c in chunks[k])
-        tokens = sum(c.tokens for c in chunks[k])
-        runs[k] = {
-            "acceptance": [float(a) for a in np.nan_to_num(conditional_acceptance(*counters[k]))],
-            "stats": last_stats[k],
-            "chunks": len(chunks[k]),
-            "cycle_s": seconds / cycles,
-            "tokens_per_cycle": tokens / cycles / len(prompts),
-            "tok_s": tokens / seconds,
-            "cycles": cycles,
-        }
-    timer = timer_of[ks[-1]]
 
-    rows = []
-    for k in ks:
-        run, terms = runs[k], model.terms(k)
-        e_pred, t_pred, r_pred = model.expected_tokens(k), model.cycle_time(k), model.predict(k)
-        explanation = explain_gap(
-            r_pred,
-            run["tok_s"],
-            {"tokens per cycle E(k)": (e_pred, run["tokens_per_cycle"]), "cycle time T(k)": (t_pred, run["cycle_s"])},
-        )
-        rows.append(
-            {
-                "k": k,
-                "draft_tokens": k,
-                "draft_steps": model.draft_steps(k),
-                "draft_ms": terms["draft"] * 1e3,
-                "verify_ms": terms["verify"] * 1e3,
-                "extend_ms": terms["extend"] * 1e3,
-                "other_ms": terms["other"] * 1e3,
-                "cycle_ms": t_pred * 1e3,
-                "measured_cycle_ms": run["cycle_s"] * 1e3,
-                "E": e_pred,
-                "measured_E": run["tokens_per_cycle"],
-                "predicted_tok_s": r_pred,
-                "measured_tok_s": run["tok_s"],
-                "predicted_speedup": model.speedup(k),
-                "gap": relative_gap(r_pred, run["tok_s"]),
-                "gap_explanation": explanation,
-                "measured_acceptance": run["acceptance"],
-                "steady_chunks": run["chunks"],
-                "steady_cycles": run["cycles"],
-                "new_tokens": run["stats"]["new_tokens"],
-            }
-        )
+
+def _measured(chunks: list[Chunk], counters, stats: dict[str, Any], prompts: int) -> dict[str, Any]:
+    """What the steady chunks of one k measured."""
+    seconds = sum(c.seconds for c in chunks)
+    cycles = sum(c.cycles for c in chunks)
+    tokens = sum(c.tokens for c in chunks)
+    return {
+        "acceptance": [float(a) for a in np.nan_to_num(conditional_acceptance(*counters))],
+        "stats": stats,
+        "chunks": len(chunks),
+        "cycle_s": seconds / cycles,
+        "tokens_per_cycle": tokens / cycles / prompts,
+        "tok_s": tokens / seconds,
+        "cycles": cycles,
+    }
+
+
+def _row(k: int, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
+    """One row of the report: the model's terms and prediction at k next to what was measured."""
+    terms = model.terms(k)
+    e_pred, t_pred, r_pred = model.expected_tokens(k), model.cycle_time(k), model.predict(k)
+    explanation = explain_gap(
+        r_pred,
+        run["tok_s"],
+        {"tokens per cycle E(k)": (e_pred, run["tokens_per_cycle"]), "cycle time T(k)": (t_pred, run["cycle_s"])},
+    )
+    return {
+        "k": k,
+        "draft_tokens": k,
+        "draft_steps": model.draft_steps(k),
+        "draft_ms": terms["draft"] * 1e3,
+        "verify_ms": terms["verify"] * 1e3,
+        "extend_ms": terms["extend"] * 1e3,
+        "other_ms": terms["other"] * 1e3,
+        "cycle_ms": t_pred * 1e3,
+        "measured_cycle_ms": run["cycle_s"] * 1e3,
+        "E": e_pred,
+        "measured_E": run["tokens_per_cycle"],
+        "predicted_tok_s": r_pred,
+        "measured_tok_s": run["tok_s"],
+        "predicted_speedup": model.speedup(k),
+        "gap": relative_gap(r_pred, run["tok_s"]),
+        "gap_explanation": explanation,
+        "measured_acceptance": run["acceptance"],
+        "steady_chunks": run["chunks"],
+        "steady_cycles": run["cycles"],
+        "new_tokens": run["stats"]["new_tokens"],
+    }
+
+
+def _report(rows, model: CostModel, counters, settings, timer: PhaseTimer, target, max_new_tokens, preset) -> dict:
+    """The tuning report (tune.json): the rows, the recommendation, the phases and the run's setup."""
+    import jax
+    import jaxlib
+
+    reached, accepted = pool_counters(counters.values())
+    ks = [r["k"] for r in rows]
     measured_best = max(rows, key=lambda r: r["measured_tok_s"])
     recommended = model.best_k(ks)
     rec_row = next(r for r in rows if r["k"] == recommended)
-    preset = collective_preset
-    report = {
+    return {
         "rows": rows,
         "recommended_k": recommended,
         "measured_best_k": measured_best["k"],
@@ -291,7 +343,7 @@ def tune(
         "acceptance": {
             "reached": reached.tolist(),
             "accepted": accepted.tolist(),
-            "rate": [None if np.isnan(a) else float(a) for a in acceptance],
+            "rate": [None if np.isnan(a) else float(a) for a in model.acceptance],
         },
         "phases_ms": {
             "draft": model.t_draft * 1e3,
@@ -300,14 +352,9 @@ def tune(
             "decode": model.t_decode * 1e3,
             "other": {str(t): v * 1e3 for t, v in model.t_other.items()},
         },
-        "measurement": {
-            "rounds": repeats,
-            "stream_cycles": stream_cycles,
-            "phase_calls_per_chunk": reps * inner,
-            "pairing": "phases of k timed right after every steady chunk of the loop at k",
-        },
+        "measurement": settings | {"pairing": "phases of k timed right after every steady chunk of the loop at k"},
         "baseline_tok_s": model.baseline(),
-        "batch": {"prompts": len(prompts), "padded": timer.batch, "buffer": timer.cache_len},
+        "batch": {"prompts": model.batch, "padded": timer.batch, "buffer": timer.cache_len},
         "max_new_tokens": max_new_tokens,
         "mesh": {str(name): int(size) for name, size in target.mesh.shape.items()},
         "collective_preset": preset.get("name") if isinstance(preset, dict) else preset,
@@ -315,14 +362,6 @@ def tune(
         "platform": jax.devices()[0].platform,
         "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__},
     }
-    if verbose:
-        print(format_table(report))
-    if output_dir is not None:
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tune.json").write_text(json.dumps(report, indent=2) + "\n")
-        report["plot"] = plot(report, out / "tune.png")
-    return report
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -368,192 +407,3 @@ def plot(report: dict[str, Any], path: str | Path) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of `jaxspec tune` (register with `sub.add_parser("tune", ...)`, dispatch to `cmd_tune`)."""
-    p.add_argument("--model", help="HF-layout checkpoint directory (config.json + safetensors)")
-    p.add_argument("--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5")
-    p.add_argument("--mesh", default=None, help="mesh shape DATAxMODEL, e.g. 1x8 (default: all devices on MODEL)")
-    p.add_argument(
-        "--dtype", default=None, choices=["bfloat16", "float32"], help="default: bfloat16; float32 for the bundled pair"
-    )
-    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (default with --preset: random drafter)")
-    p.add_argument("--max-k", type=int, default=4, help="sweep k = 0..MAX_K draft tokens (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt and k (%(default)s)")
-    p.add_argument(
-        "--rounds", type=int, default=3, help="sweeps over all k, alternating order, pooled (default: %(default)s)"
-    )
-    p.add_argument(
-        "--stream-cycles",
-        type=int,
-        default=4,
-        help="cycles per measured chunk; the phases are timed after each chunk (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prompts-file",
-        type=Path,
-        help="one prompt per line: comma-separated token ids (default: fixed ids; with the bundled pair, its held-out "
-        "prompts)",
-    )
-    p.add_argument("--output", type=Path, help="write DIR/tune.json and DIR/tune.png")
-    p.add_argument(
-        "--presets",
-        help="comma-separated collective presets to sweep (see sharding/collectives.py), each in its own process "
-        "(XLA reads the flags when its backend starts) writing DIR/<preset>/; DIR/presets.json ranks them",
-    )
-
-
-def read_prompts(path: str | Path) -> list[list[int]]:
-    """Prompts from a file: one per non-empty line, comma-separated token ids."""
-    prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            prompts.append([int(t) for t in line.split(",")])
-        except ValueError:
-            raise ValueError(f"{path}:{n}: expected comma-separated token ids, got {line.strip()!r}") from None
-    if not prompts:
-        raise ValueError(f"{path}: no prompts (expected one line of comma-separated token ids per prompt)")
-    return prompts
-
-
-def _child_argv(args: argparse.Namespace, preset: str, output: Path) -> list[str]:
-    """`jaxspec --collective-preset PRESET tune ...` with this invocation's tune arguments (for --presets)."""
-    argv = ["--collective-preset", preset]
-    if getattr(args, "cpu_devices", 0):
-        argv += ["--cpu-devices", str(args.cpu_devices)]
-    argv.append("tune")
-    for flag in ("model", "preset", "mesh", "dtype", "drafter", "prompts_file"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    for flag in ("max_k", "max_new_tokens", "rounds", "stream_cycles"):
-        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return argv + ["--output", str(output)]
-
-
-def sweep_presets(args: argparse.Namespace, presets: Sequence[str]) -> int:
-    """`jaxspec tune --presets a,b`: the same sweep once per collective preset, each in a fresh process, then
-    DIR/presets.json with every preset's recommended k and its measured rate, and the best (preset, k). Exit status 1
-    (and `"complete": false`) when a preset's run failed; the others are still reported."""
-    import subprocess
-    import sys
-
-    results = []
-    for name in presets:
-        out = args.output / name
-        argv = [sys.executable, "-m", "jaxspec", *_child_argv(args, name, out)]
-        print(f"== collective preset {name}: jaxspec {' '.join(argv[3:])}", flush=True)
-        code = subprocess.run(argv, check=False).returncode
-        path = out / "tune.json"
-        if code != 0 or not path.is_file():
-            results.append({"preset": name, "error": f"jaxspec tune exited with status {code}"})
-            continue
-        report = json.loads(path.read_text())
-        rows = {r["k"]: r for r in report["rows"]}
-        k = report["recommended_k"]
-        record = report.get("collective_preset_record") or {}
-        results.append(
-            {
-                "preset": name,
-                "preset_platform": record.get("platform"),
-                "platform": report["platform"],
-                "recommended_k": k,
-                "measured_tok_s": rows[k]["measured_tok_s"],
-                "predicted_tok_s": rows[k]["predicted_tok_s"],
-                "plain_tok_s": rows[0]["measured_tok_s"] if 0 in rows else None,
-                "tune_json": str(path),
-            }
-        )
-    ok = [r for r in results if "error" not in r]
-    best = max(ok, key=lambda r: r["measured_tok_s"]) if ok else None
-    summary = {
-        "presets": results,
-        "best": {"preset": best["preset"], "k": best["recommended_k"]} if best else None,
-        "complete": len(ok) == len(results),
-    }
-    (args.output / "presets.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print("preset | platform | k* | measured tok/s at k* | predicted | plain tok/s")
-    for r in results:
-        if "error" in r:
-            print(f"{r['preset']} | - | - | {r['error']}")
-            continue
-        plain = "-" if r["plain_tok_s"] is None else f"{r['plain_tok_s']:.1f}"
-        where = r["platform"]
-        if r["preset_platform"] not in (None, "any", r["platform"]):
-            where += f" (a {r['preset_platform']} preset: its flags do nothing here)"
-        print(
-            f"{r['preset']} | {where} | {r['recommended_k']} | {r['measured_tok_s']:.1f} | "
-            f"{r['predicted_tok_s']:.1f} | {plain}"
-        )
-    if best:
-        print(f"best: preset {best['preset']} with k = {best['recommended_k']}")
-    print(f"wrote {args.output / 'presets.json'}")
-    return 0 if summary["complete"] else 1
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    """`jaxspec tune`: build target + drafter from the arguments, sweep, print the table, write the outputs."""
-    from jaxspec.cli import _target, use_bundled_pair
-    from jaxspec.io import load_drafter
-    from jaxspec.models.eagle3 import draft_config_for
-    from jaxspec.runtime import Drafter
-
-    if args.max_k < 0:
-        raise SystemExit(f"jaxspec tune: --max-k must be >= 0, got {args.max_k}")
-    for name in ("rounds", "stream_cycles", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"jaxspec tune: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.presets:
-        from sharding.collectives import get_preset
-
-        names = [n.strip() for n in args.presets.split(",") if n.strip()]
-        if not names:
-            raise SystemExit("jaxspec tune: --presets: expected comma-separated preset names")
-        try:
-            for n in names:
-                get_preset(n)
-        except ValueError as e:
-            raise SystemExit(f"jaxspec tune: --presets: {e}") from None
-        if not args.output:
-            raise SystemExit("jaxspec tune: --presets needs --output DIR (each preset writes DIR/<preset>/)")
-        if getattr(args, "collective_preset", "default") != "default":
-            raise SystemExit("jaxspec tune: --presets sweeps the presets itself; drop --collective-preset")
-        return sweep_presets(args, names)
-    prompts = None
-    if use_bundled_pair(args):  # the bundled trained pair, on its held-out prompts
-        from jaxspec import bundled
-        from jaxspec.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(args.model)
-        prompts = [tokenizer.encode(p) for p in bundled.prompts()[:BUNDLED_PROMPTS]]
-    if args.model and not args.drafter and args.max_k > 0:
-        raise SystemExit("jaxspec tune: --model needs --drafter DIR (random drafters are only for --preset)")
-    try:
-        if args.prompts_file:
-            prompts = read_prompts(args.prompts_file)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"jaxspec tune: --prompts-file: {e}") from None
-    prompts = prompts or [list(p) for p in DEFAULT_PROMPTS]
-    target, source = _target(args, abstract=False)
-    if args.drafter:
-        drafter = load_drafter(args.drafter, target, dtype=target.dtype)
-    else:
-        drafter = Drafter.random(draft_config_for(target.config), target, dtype=target.dtype, seed=0)
-    print(f"target: {source}; drafter: {args.drafter or 'random'}; mesh {dict(target.mesh.shape)}")
-    tune(
-        target,
-        drafter,
-        prompts,
-        range(0, args.max_k + 1),
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.rounds,
-        stream_cycles=args.stream_cycles,
-        output_dir=args.output,
-        collective_preset=getattr(args, "preset_record", None),
-    )
-    if args.output:
-        print(f"wrote {args.output / 'tune.json'}")
-    return 0

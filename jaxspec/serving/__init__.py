@@ -1,2 +1,3 @@
 """Serving: the slot engine (`engine.py`: admit, per-slot chunked prefill, run segments, evict), the
-OpenAI-compatible HTTP app (`app.py`), Prometheus metrics (`metrics.py`) and the `jaxspec serve` command (`cli.py`)."""
+OpenAI-compatible HTTP app (`app.py`) and Prometheus metrics (`metrics.py`); the `jaxspec serve` command is in
+`jaxspec/cli/serve.py`."""

@@ -2,7 +2,8 @@
 
 - `generate_dataset(target, prompts, out_dir, max_new_tokens=...)`: the target's own responses (resumable).
 - `build_draft_vocab(token_ids, loss_mask, draft_vocab_size, vocab_size) -> (d2t, t2d)`.
-- `train_drafter(target, dataset_dir, out_dir, draft_vocab_size=..., steps=..., batch_size=...) -> Drafter`.
+- `train_drafter(target, dataset_dir, out_dir, TrainConfig(...)) -> Drafter` (or TrainConfig fields as keywords:
+  `draft_vocab_size=..., steps=..., batch_size=...`); `TrainConfig` declares every training setting once.
 """
 
 from jaxspec.training.data import Dataset, DatasetError, generate_dataset, load_dataset

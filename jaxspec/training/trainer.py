@@ -31,7 +31,7 @@ import functools
 import hashlib
 import json
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxspec.config import KimiConfig
 from jaxspec.io import save_drafter
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, Split, concat_captured, draft_config_for
 from jaxspec.runtime import Drafter, Target
@@ -58,24 +59,106 @@ TRAIN_LOG = "train_log.jsonl"
 CHECKPOINTS = "checkpoints"
 
 
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+def _setting(default: Any, help: str, flag: str | None = None) -> Any:
+    """A TrainConfig field: its default, the help of its command-line flag, and the flag when not --<field-name>."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything that determines a training run (recorded in train_config.json; a resume must match it)."""
+    """The settings that determine a training run: the one declaration behind `train_drafter`, the flags of
+    `jaxspec train-drafter` (generated from these fields) and OUT/train_config.json (a resume must match it).
 
-    draft_vocab_size: int
-    ttt_depth: int
-    steps: int
-    batch_size: int
-    seq_len: int
-    lr: float
-    warmup: int
-    weight_decay: float
-    clip: float
-    seed: int
-    heads: int
-    kv_heads: int
-    intermediate_size: int
-    capture_layers: tuple[int, ...]
+    None means "derived from the target or the dataset"; `resolve` fills those in and checks every value."""
+
+    draft_vocab_size: int | None = _setting(
+        None, f"draft vocabulary size (default {DEFAULT_DRAFT_VOCAB})", flag="--draft-vocab"
+    )
+    ttt_depth: int = _setting(3, "training-time-test steps")
+    steps: int = _setting(1000, "optimizer steps")
+    batch_size: int = _setting(8, "sequences per step")
+    seq_len: int | None = _setting(None, "tokens per sequence (default: the dataset's)")
+    lr: float = _setting(1e-4, "peak learning rate")
+    warmup: int | None = _setting(None, "warmup steps (default min(100, steps/10))")
+    weight_decay: float = _setting(0.0, "AdamW weight decay")
+    clip: float = _setting(0.5, "gradient clipping global norm")
+    seed: int = _setting(0, "seed of the init, data order and sampling")
+    heads: int | None = _setting(None, "drafter attention heads (default: the target's)")
+    kv_heads: int | None = _setting(None, "drafter KV heads (default heads/8)")
+    intermediate_size: int | None = _setting(None, "drafter MLP width (default: the target's)")
+    capture_layers: tuple[int, ...] | None = _setting(None, "target layer outputs to capture, e.g. 1,29,57")
+
+    def resolve(self, tcfg: KimiConfig, dataset_seq_len: int) -> TrainConfig:
+        """Every setting checked (all problems named at once, as ValueError) and filled in for this target and
+        dataset."""
+        _check_types(self)
+        heads = self.heads or tcfg.num_attention_heads
+        layers = tuple(sorted(int(x) for x in self.capture_layers)) if self.capture_layers else None
+        out = dataclasses.replace(
+            self,
+            draft_vocab_size=self.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size),
+            seq_len=self.seq_len or dataset_seq_len,
+            warmup=self.warmup if self.warmup is not None else min(100, self.steps // 10),
+            heads=heads,
+            kv_heads=self.kv_heads or (heads // 8 if heads % 8 == 0 else heads),
+            intermediate_size=self.intermediate_size or tcfg.intermediate_size,
+            capture_layers=layers,
+        )
+        _check_against_target(out, tcfg)
+        if layers is None:
+            layers = draft_config_for(tcfg, heads=out.heads, kv_heads=out.kv_heads).capture_layers
+        numbers = {k: (float(v) if k in ("lr", "weight_decay", "clip") else int(v)) for k, v in _scalars(out)}
+        return dataclasses.replace(out, capture_layers=layers, **numbers)
+
+
+def _scalars(config: TrainConfig) -> list[tuple[str, Any]]:
+    return [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config) if f.name != "capture_layers"]
+
+
+def _check_types(config: TrainConfig) -> None:
+    """Counts must be positive integers (None where it means "derived")."""
+    optional = ("draft_vocab_size", "seq_len", "heads", "kv_heads", "intermediate_size")
+    problems = []
+    for name in ("draft_vocab_size", "ttt_depth", "steps", "batch_size", *optional[1:]):
+        v = getattr(config, name)
+        if not (v is None and name in optional) and (
+            isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1
+        ):
+            problems.append(f"{name}: expected a positive integer, got {v!r}")
+    if problems:
+        raise ValueError("train_drafter: " + "; ".join(problems))
+
+
+def _check_against_target(c: TrainConfig, tcfg: KimiConfig) -> None:
+    """The filled-in settings against each other and the target (all problems at once)."""
+    problems = []
+    V, L, D = tcfg.vocab_size, tcfg.num_hidden_layers, tcfg.hidden_size
+    if c.draft_vocab_size > V:
+        problems.append(f"draft_vocab_size: {c.draft_vocab_size} exceeds the target's vocab_size {V}")
+    if c.seq_len < c.ttt_depth + 2:
+        problems.append(f"seq_len: {c.seq_len} is too short for ttt_depth {c.ttt_depth} (needs >= depth + 2)")
+    if c.seq_len > tcfg.max_position_embeddings:
+        problems.append(f"seq_len: {c.seq_len} exceeds the target's context of {tcfg.max_position_embeddings}")
+    if isinstance(c.warmup, bool) or not isinstance(c.warmup, int) or not 0 <= c.warmup < c.steps:
+        problems.append(f"warmup: expected an integer in [0, steps={c.steps}), got {c.warmup!r}")
+    if not c.lr > 0:
+        problems.append(f"lr: expected > 0, got {c.lr!r}")
+    if not c.clip > 0:
+        problems.append(f"clip: expected > 0, got {c.clip!r}")
+    if not c.weight_decay >= 0:
+        problems.append(f"weight_decay: expected >= 0, got {c.weight_decay!r}")
+    if D % c.heads or (D // c.heads) % 2:
+        problems.append(f"heads: hidden_size {D} / heads {c.heads} must be an even integer head dim (for RoPE)")
+    if c.heads % c.kv_heads:
+        problems.append(f"kv_heads: {c.kv_heads} must divide heads {c.heads}")
+    layers = c.capture_layers
+    if layers is not None and (len(set(layers)) != len(layers) or not all(0 <= x < L for x in layers)):
+        problems.append(f"capture_layers: {list(layers)} must be distinct target layer outputs in [0, {L})")
+    if problems:
+        raise ValueError("train_drafter: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +168,14 @@ class _Plan:
     target: Target
     graphdef: Any
     embed_spec: P
-    capture: tuple[int, ...]
-    depth: int
-    lr: float
-    warmup: int
-    steps: int
-    weight_decay: float
-    clip: float
+    config: TrainConfig
 
 
-def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
+def make_optimizer(config: TrainConfig):
     """clip_by_global_norm(clip) -> AdamW(b1 0.9, b2 0.95); lr: linear warmup from lr/warmup to `lr` over `warmup`
-    steps, then cosine decay to 0 at `steps`. Weight decay applies to matrices only (not to norm scales)."""
+    steps, then cosine decay to 0 at `steps`. Weight decay applies to matrices only (not to norm scales).
+    `config` must be resolved (`TrainConfig.resolve`)."""
+    lr, warmup, steps, weight_decay, clip = config.lr, config.warmup, config.steps, config.weight_decay, config.clip
     schedule = optax.warmup_cosine_decay_schedule(lr / max(warmup, 1), lr, warmup, steps, 0.0)
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
     adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask)
@@ -119,7 +198,9 @@ def _target_side(plan: _Plan, tparams, ids_BT, draft_ids_U, t2d_V):
     """Target forward: (aux [B,T,X*D], restricted target logits [B,T,U], argmax-in-draft-vocab [B,T])."""
     target, batch = plan.target, plan.target.rules.batch
     pos_BT = jnp.broadcast_to(jnp.arange(ids_BT.shape[1], dtype=jnp.int32), ids_BT.shape)
-    logits_BTV, _, captured = target.apply(tparams, ids_BT, pos_BT, None, capture=plan.capture, impl="expanded")
+    logits_BTV, _, captured = target.apply(
+        tparams, ids_BT, pos_BT, None, capture=plan.config.capture_layers, impl="expanded"
+    )
     restrict = jax.shard_map(
         restrict_to_draft_vocab,
         mesh=target.mesh,
@@ -135,7 +216,7 @@ def _loss(plan: _Plan, params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, 
 
     def local(params, embed, ids, aux, tgt, in_vocab, mask):
         state = nnx.State({"embed": nnx.Param(embed), **{k: nnx.Param(v) for k, v in params.items()}})
-        logits_JBTU = ttt_forward(nnx.merge(plan.graphdef, state), ids, aux, plan.depth)
+        logits_JBTU = ttt_forward(nnx.merge(plan.graphdef, state), ids, aux, plan.config.ttt_depth)
         terms = ttt_loss_terms(logits_JBTU, tgt, in_vocab, mask)
         return terms if batch is None else jax.tree.map(lambda x: jax.lax.psum(x, batch), terms)
 
@@ -155,7 +236,7 @@ def _train_step(plan: _Plan, params, opt_state, tparams, ids_BT, mask_BT, draft_
     embed_VD = tparams["embed"].get_value()
     loss_fn = lambda p: _loss(plan, p, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT)  # noqa: E731
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    optimizer, _ = make_optimizer(plan.lr, plan.warmup, plan.steps, plan.weight_decay, plan.clip)
+    optimizer, _ = make_optimizer(plan.config)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
@@ -166,223 +247,173 @@ def train_drafter(
     target: Target,
     dataset_dir: str | Path,
     out_dir: str | Path,
+    config: TrainConfig | None = None,
     *,
-    draft_vocab_size: int,
-    steps: int,
-    batch_size: int,
-    ttt_depth: int = 3,
-    seq_len: int | None = None,
-    lr: float = 1e-4,
-    warmup: int | None = None,
-    weight_decay: float = 0.0,
-    clip: float = 0.5,
-    seed: int = 0,
     checkpoint_every: int = 500,
     resume: bool = False,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    intermediate_size: int | None = None,
-    capture_layers: Sequence[int] | None = None,
     mesh: Mesh | None = None,
     dtype=None,
     progress: bool = True,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    **settings: Any,
 ) -> Drafter:
     """Train a drafter for `target` on a dataset from `generate_dataset`; export it to `out_dir` and return it.
 
-    draft_vocab_size: U, the most frequent response tokens (== vocab_size: the full vocabulary). seq_len: tokens per
-    row (default: the dataset's; longer rows are cut, shorter padded and masked). warmup: default min(100, steps//10).
-    heads / kv_heads / intermediate_size / capture_layers: the drafter's shape (defaults: the target's attention
-    heads, heads/8 KV heads, the target's dense intermediate size, SpecForge's default capture layers); capture
-    layers are target-layer outputs (0-indexed). mesh: train on this mesh instead of the target's (data parallel over
-    its data axis). dtype: of the returned and exported drafter (default: the target's); training is in float32.
-    resume: continue from the latest checkpoint in `out_dir`. on_step(step, metrics) is called after every step
-    (`step` = steps done). KeyboardInterrupt saves a checkpoint, then propagates.
+    config: the run's `TrainConfig` (default: its defaults); `settings` are TrainConfig fields that override it, so
+    `train_drafter(target, data, out, draft_vocab_size=32000, steps=20000, batch_size=16)` works too. The fields'
+    defaults: draft_vocab_size the most frequent min(32000, vocab_size) response tokens (== vocab_size: the full
+    vocabulary); seq_len the dataset's (longer rows are cut, shorter padded and masked); warmup min(100, steps//10);
+    heads / kv_heads / intermediate_size / capture_layers the target's attention heads, heads/8 KV heads, the target's
+    dense intermediate size and SpecForge's capture layers (target-layer outputs, 0-indexed).
+    checkpoint_every: steps between Orbax checkpoints. resume: continue from the latest checkpoint in `out_dir`.
+    mesh: train on this mesh instead of the target's (data parallel over its data axis). dtype: of the returned and
+    exported drafter (default: the target's); training is in float32. on_step(step, metrics) is called after every
+    step (`step` = steps done). KeyboardInterrupt saves a checkpoint, then propagates.
     """
     if mesh is not None:
         target = target.on_mesh(mesh)
-    tcfg = target.config
-    out = Path(out_dir)
-    data = load_dataset(dataset_dir, vocab_size=tcfg.vocab_size)
-    if data.manifest["target"] != target_fingerprint(tcfg):
+    data = load_dataset(dataset_dir, vocab_size=target.config.vocab_size)
+    if data.manifest["target"] != target_fingerprint(target.config):
         warnings.warn(
             f"{dataset_dir}: generated by a target with a different config (same vocabulary); training on it anyway",
             stacklevel=2,
         )
-    config = _train_config(
-        tcfg,
-        data,
-        draft_vocab_size=draft_vocab_size,
-        ttt_depth=ttt_depth,
-        steps=steps,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        lr=lr,
-        warmup=warmup,
-        weight_decay=weight_decay,
-        clip=clip,
-        seed=seed,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate_size=intermediate_size,
-        capture_layers=capture_layers,
-    )
+    config = _with_settings(config or TrainConfig(), settings).resolve(target.config, data.seq_len)
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every: expected an integer >= 1, got {checkpoint_every!r}")
     n_data = target.mesh.shape[DATA]
-    if batch_size % n_data:
-        raise ValueError(f"batch_size {batch_size} is not divisible by the mesh's data axis ({n_data})")
-
-    ids, mask = _fit_length(data.ids, data.loss_mask, config.seq_len)
-    d2t, t2d = build_draft_vocab(ids, mask, config.draft_vocab_size, tcfg.vocab_size)
-    coverage = float(t2d[ids[mask]].mean()) if mask.any() else 0.0
-    draft_cfg = _draft_config(tcfg, config)
-    record = {
-        "config": _jsonable(dataclasses.asdict(config)),
-        "dataset": {k: data.manifest.get(k) for k in ("target", "prompts_sha256", "num_sequences", "seq_len")},
-        "d2t_sha256": hashlib.sha256(d2t.tobytes()).hexdigest(),
-        "draft_vocab_coverage": coverage,
-    }
-    mngr, start = _open_run(out, record, resume)
-
-    # Random init of the drafter's own weights (float32 master copies, replicated); the embedding is the target's.
-    replicated = NamedSharding(target.mesh, P())
-    graphdef = nnx.split(nnx.eval_shape(lambda: Eagle3Model(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))[0]
-    # RBG keys: same values for a seed on a given backend, and far cheaper to compile than threefry on CPU.
-    params = jax.device_put(_init_params(draft_cfg, jax.random.key(config.seed, impl="rbg")), replicated)
-    optimizer, schedule = make_optimizer(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
-    opt_state = jax.device_put(optimizer.init(params), replicated)
-    if start:
-        params, opt_state = _restore(mngr, start, params, opt_state)
-    _truncate_log(out / TRAIN_LOG, start)
-
-    plan = _Plan(
-        target=target,
-        graphdef=graphdef,
-        embed_spec=target.params["embed"].get_value().sharding.spec,
-        capture=draft_cfg.capture_layers,
-        depth=config.ttt_depth,
-        lr=config.lr,
-        warmup=config.warmup,
-        steps=config.steps,
-        weight_decay=config.weight_decay,
-        clip=config.clip,
-    )
-    rows = NamedSharding(target.mesh, P(target.rules.batch, None))
-    draft_ids = jax.device_put(draft_to_target_ids(d2t).astype(np.int32), replicated)
-    t2d_dev = jax.device_put(t2d, replicated)
-
-    def save(step: int) -> None:
-        meta = {"step": step, "seed": config.seed, "examples_seen": step * config.batch_size}
-        state = {"params": params, "opt_state": opt_state}
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-
-    step = start
-    bar = tqdm(total=config.steps, initial=start, desc="training drafter", unit="step", disable=not progress)
-    if progress:
-        bar.write(
-            f"draft vocabulary: {config.draft_vocab_size} tokens cover {coverage:.1%} of the response tokens; "
-            f"{len(ids)} sequences of {config.seq_len} tokens" + (f"; resuming at step {start}" if start else "")
-        )
+    if config.batch_size % n_data:
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by the mesh's data axis ({n_data})")
+    run = _Run.begin(target, data, config, Path(out_dir), resume)
     try:
-        with bar, open(out / TRAIN_LOG, "a") as log:
-            while step < config.steps:
-                idx = batch_indices(config.seed, step, config.batch_size, len(ids))
-                batch_ids, batch_mask = jax.device_put((ids[idx], mask[idx]), rows)
-                params, opt_state, metrics = _train_step(
-                    plan, params, opt_state, target.params, batch_ids, batch_mask, draft_ids, t2d_dev
-                )
-                step += 1
-                m = _host_metrics(metrics, float(schedule(step - 1)))
-                log.write(json.dumps({"step": step, **m}) + "\n")
-                log.flush()
-                bar.set_postfix_str(
-                    f"loss {m['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in m['acc_j'])} lr {m['lr']:.2e}"
-                )
-                bar.update(1)
-                if step % checkpoint_every == 0 and step < config.steps:
-                    save(step)
-                if on_step is not None:
-                    on_step(step, m)
-        if step not in mngr.all_steps():
-            save(step)
-    except KeyboardInterrupt:
-        if step > start and step not in mngr.all_steps() and not _deleted(params, opt_state):
-            save(step)
-            print(f"interrupted: checkpoint at step {step} in {out / CHECKPOINTS}; rerun with resume=True")
-        raise
+        run.train(checkpoint_every, progress, on_step)
     finally:
-        mngr.close()  # waits for any save in flight
-
-    final = _export_drafter(draft_cfg, target, params, None if draft_cfg.full_vocab else d2t, dtype or target.dtype)
-    save_drafter(final, out, format="sglang")
+        run.mngr.close()  # waits for any save in flight
+    draft_cfg = _draft_config(target.config, config)
+    d2t = None if draft_cfg.full_vocab else run.d2t
+    final = _export_drafter(draft_cfg, target, run.params, d2t, dtype or target.dtype)
+    save_drafter(final, out_dir, format="sglang")
     return final
 
 
-def _train_config(tcfg, data, **kw) -> TrainConfig:
-    """Validate the arguments and fill in the defaults."""
-    problems = []
+def _with_settings(config: TrainConfig, settings: dict[str, Any]) -> TrainConfig:
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(f"train_drafter: unknown setting(s) {unknown}; TrainConfig has {names}")
+    return dataclasses.replace(config, **settings)
 
-    def positive(name: str) -> None:
-        v = kw[name]
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-            problems.append(f"{name}: expected a positive integer, got {v!r}")
 
-    for name in ("draft_vocab_size", "ttt_depth", "steps", "batch_size"):
-        positive(name)
-    for name in ("seq_len", "heads", "kv_heads", "intermediate_size"):
-        if kw[name] is not None:
-            positive(name)
-    if problems:
-        raise ValueError("train_drafter: " + "; ".join(problems))
-    V = tcfg.vocab_size
-    if kw["draft_vocab_size"] > V:
-        problems.append(f"draft_vocab_size: {kw['draft_vocab_size']} exceeds the target's vocab_size {V}")
-    seq_len = kw["seq_len"] or data.seq_len
-    if seq_len < kw["ttt_depth"] + 2:
-        problems.append(f"seq_len: {seq_len} is too short for ttt_depth {kw['ttt_depth']} (needs >= depth + 2)")
-    if seq_len > tcfg.max_position_embeddings:
-        problems.append(f"seq_len: {seq_len} exceeds the target's context of {tcfg.max_position_embeddings}")
-    warmup = kw["warmup"] if kw["warmup"] is not None else min(100, kw["steps"] // 10)
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < kw["steps"]:
-        problems.append(f"warmup: expected an integer in [0, steps={kw['steps']}), got {warmup!r}")
-    if not kw["lr"] > 0:
-        problems.append(f"lr: expected > 0, got {kw['lr']!r}")
-    if not kw["clip"] > 0:
-        problems.append(f"clip: expected > 0, got {kw['clip']!r}")
-    if not kw["weight_decay"] >= 0:
-        problems.append(f"weight_decay: expected >= 0, got {kw['weight_decay']!r}")
-    heads = kw["heads"] or tcfg.num_attention_heads
-    kv_heads = kw["kv_heads"] or (heads // 8 if heads % 8 == 0 else heads)
-    D = tcfg.hidden_size
-    if D % heads or (D // heads) % 2:
-        problems.append(f"heads: hidden_size {D} / heads {heads} must be an even integer head dim (for RoPE)")
-    if heads % kv_heads:
-        problems.append(f"kv_heads: {kv_heads} must divide heads {heads}")
-    layers = tuple(sorted(int(x) for x in kw["capture_layers"])) if kw["capture_layers"] else None
-    L = tcfg.num_hidden_layers
-    if layers is not None and (len(set(layers)) != len(layers) or not all(0 <= x < L for x in layers)):
-        problems.append(f"capture_layers: {list(layers)} must be distinct target layer outputs in [0, {L})")
-    if problems:
-        raise ValueError("train_drafter: " + "; ".join(problems))
-    if layers is None:
-        layers = draft_config_for(tcfg, heads=heads, kv_heads=kv_heads).capture_layers
-    return TrainConfig(
-        draft_vocab_size=int(kw["draft_vocab_size"]),
-        ttt_depth=int(kw["ttt_depth"]),
-        steps=int(kw["steps"]),
-        batch_size=int(kw["batch_size"]),
-        seq_len=int(seq_len),
-        lr=float(kw["lr"]),
-        warmup=int(warmup),
-        weight_decay=float(kw["weight_decay"]),
-        clip=float(kw["clip"]),
-        seed=int(kw["seed"]),
-        heads=int(heads),
-        kv_heads=int(kv_heads),
-        intermediate_size=int(kw["intermediate_size"] or tcfg.intermediate_size),
-        capture_layers=layers,
-    )
+@dataclasses.dataclass
+class _Run:
+    """One training run in progress: the data in rows, the draft vocabulary, the trainable state and its checkpoints."""
+
+    target: Target
+    config: TrainConfig
+    out: Path
+    ids: np.ndarray
+    mask: np.ndarray
+    d2t: np.ndarray
+    t2d: np.ndarray
+    coverage: float
+    mngr: ocp.CheckpointManager
+    start: int
+    params: Any = None
+    opt_state: Any = None
+
+    @classmethod
+    def begin(cls, target: Target, data, config: TrainConfig, out: Path, resume: bool) -> _Run:
+        """Fit the rows, build the draft vocabulary, open (or resume) the run in `out`, initialise the weights."""
+        tcfg = target.config
+        ids, mask = _fit_length(data.ids, data.loss_mask, config.seq_len)
+        d2t, t2d = build_draft_vocab(ids, mask, config.draft_vocab_size, tcfg.vocab_size)
+        coverage = float(t2d[ids[mask]].mean()) if mask.any() else 0.0
+        record = {
+            "config": _jsonable(dataclasses.asdict(config)),
+            "dataset": {k: data.manifest.get(k) for k in ("target", "prompts_sha256", "num_sequences", "seq_len")},
+            "d2t_sha256": hashlib.sha256(d2t.tobytes()).hexdigest(),
+            "draft_vocab_coverage": coverage,
+        }
+        mngr, start = _open_run(out, record, resume)
+        run = cls(target, config, out, ids, mask, d2t, t2d, coverage, mngr, start)
+        run.init_state()
+        _truncate_log(out / TRAIN_LOG, start)
+        return run
+
+    def init_state(self) -> None:
+        """Random init of the drafter's own weights (float32 master copies, replicated; the embedding is the
+        target's) and of the optimizer state, or the checkpoint being resumed from."""
+        draft_cfg = _draft_config(self.target.config, self.config)
+        replicated = NamedSharding(self.target.mesh, P())
+        # RBG keys: same values for a seed on a given backend, and far cheaper to compile than threefry on CPU.
+        key = jax.random.key(self.config.seed, impl="rbg")
+        self.params = jax.device_put(_init_params(draft_cfg, key), replicated)
+        self.opt_state = jax.device_put(make_optimizer(self.config)[0].init(self.params), replicated)
+        if self.start:
+            self.params, self.opt_state = _restore(self.mngr, self.start, self.params, self.opt_state)
+
+    def save(self, step: int) -> None:
+        meta = {"step": step, "seed": self.config.seed, "examples_seen": step * self.config.batch_size}
+        state = {"params": self.params, "opt_state": self.opt_state}
+        composite = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self.mngr.save(step, args=composite)
+
+    def train(self, checkpoint_every: int, progress: bool, on_step) -> None:
+        """Steps from `start` to `config.steps`: log each, checkpoint every `checkpoint_every` and at the end (and on
+        KeyboardInterrupt, which then propagates)."""
+        config, start = self.config, self.start
+        step_fn = self._step_fn()
+        step = start
+        bar = tqdm(total=config.steps, initial=start, desc="training drafter", unit="step", disable=not progress)
+        if progress:
+            bar.write(
+                f"draft vocabulary: {config.draft_vocab_size} tokens cover {self.coverage:.1%} of the response "
+                f"tokens; {len(self.ids)} sequences of {config.seq_len} tokens"
+                + (f"; resuming at step {start}" if start else "")
+            )
+        try:
+            with bar, open(self.out / TRAIN_LOG, "a") as log:
+                while step < config.steps:
+                    m = step_fn(step)
+                    step += 1
+                    log.write(json.dumps({"step": step, **m}) + "\n")
+                    log.flush()
+                    acc = "/".join(f"{a:.2f}" for a in m["acc_j"])
+                    bar.set_postfix_str(f"loss {m['loss']:.3f} acc {acc} lr {m['lr']:.2e}")
+                    bar.update(1)
+                    if step % checkpoint_every == 0 and step < config.steps:
+                        self.save(step)
+                    if on_step is not None:
+                        on_step(step, m)
+            if step not in self.mngr.all_steps():
+                self.save(step)
+        except KeyboardInterrupt:
+            if step > start and step not in self.mngr.all_steps() and not _deleted(self.params, self.opt_state):
+                self.save(step)
+                print(f"interrupted: checkpoint at step {step} in {self.out / CHECKPOINTS}; rerun with resume=True")
+            raise
+
+    def _step_fn(self) -> Callable[[int], dict[str, Any]]:
+        """step(i): run optimizer step i (updating params and optimizer state) and return its host metrics."""
+        target, config = self.target, self.config
+        draft_cfg = _draft_config(target.config, config)
+        graphdef = nnx.split(nnx.eval_shape(lambda: Eagle3Model(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))[0]
+        plan = _Plan(target, graphdef, target.params["embed"].get_value().sharding.spec, config)
+        replicated = NamedSharding(target.mesh, P())
+        rows = NamedSharding(target.mesh, P(target.rules.batch, None))
+        draft_ids = jax.device_put(draft_to_target_ids(self.d2t).astype(np.int32), replicated)
+        t2d = jax.device_put(self.t2d, replicated)
+        _, schedule = make_optimizer(config)
+
+        def step_fn(step: int) -> dict[str, Any]:
+            idx = batch_indices(config.seed, step, config.batch_size, len(self.ids))
+            batch_ids, batch_mask = jax.device_put((self.ids[idx], self.mask[idx]), rows)
+            self.params, self.opt_state, metrics = _train_step(
+                plan, self.params, self.opt_state, target.params, batch_ids, batch_mask, draft_ids, t2d
+            )
+            return _host_metrics(metrics, float(schedule(step)))
+
+        return step_fn
 
 
 def _draft_config(tcfg, config: TrainConfig) -> Eagle3Config:

@@ -10,17 +10,9 @@ import numpy as np
 import pytest
 
 from jaxspec import KimiConfig, Progress, Target
+from jaxspec.cli import tune as tune_cli
 from jaxspec.profiling.timing import PhaseTimer
-from jaxspec.profiling.tune import (
-    TABLE_COLUMNS,
-    add_tune_arguments,
-    cmd_tune,
-    format_table,
-    read_prompts,
-    steady_chunks,
-    time_phases_of,
-    tune,
-)
+from jaxspec.profiling.tune import TABLE_COLUMNS, format_table, steady_chunks, time_phases_of, tune
 from sharding.mesh import make_mesh
 from tests.decoding.drafters import random_drafter
 
@@ -154,23 +146,23 @@ def test_preset_sweep_runs_each_preset_in_its_own_process(tmp_path, monkeypatch)
 
 def test_cli_arguments_and_prompts_file(tmp_path):
     p = argparse.ArgumentParser()
-    add_tune_arguments(p)
+    tune_cli.add_arguments(p)
     args = p.parse_args(["--preset", "tiny", "--max-k", "3", "--output", str(tmp_path)])
     assert (args.preset, args.max_k, args.drafter, args.output) == ("tiny", 3, None, tmp_path)
     assert (args.rounds, args.stream_cycles, args.max_new_tokens) == (3, 4, 256)
     with pytest.raises(SystemExit, match="--rounds must be >= 1"):
-        cmd_tune(p.parse_args(["--preset", "tiny", "--rounds", "0"]))
+        tune_cli.run(p.parse_args(["--preset", "tiny", "--rounds", "0"]))
     good = tmp_path / "prompts.txt"
     good.write_text("1,2,3\n\n4, 5\n")
-    assert read_prompts(good) == [[1, 2, 3], [4, 5]]
+    assert tune_cli.read_prompts(good) == [[1, 2, 3], [4, 5]]
     bad = tmp_path / "bad.txt"
     bad.write_text("1,2\nhello\n")
     with pytest.raises(ValueError, match="bad.txt:2"):
-        read_prompts(bad)
+        tune_cli.read_prompts(bad)
     with pytest.raises(SystemExit, match="--drafter"):
-        cmd_tune(p.parse_args(["--model", str(tmp_path)]))
+        tune_cli.run(p.parse_args(["--model", str(tmp_path)]))
     with pytest.raises(SystemExit, match="prompts-file"):
-        cmd_tune(p.parse_args(["--preset", "tiny", "--prompts-file", str(bad)]))
+        tune_cli.run(p.parse_args(["--preset", "tiny", "--prompts-file", str(bad)]))
 
 
 @pytest.mark.parametrize("name", ["tune_bundled", "tune_bundled_k6"])

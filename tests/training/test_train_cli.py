@@ -9,14 +9,14 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jaxspec.training.cli import add_train_arguments, cmd_train_drafter
+from jaxspec.cli import train_drafter as train_cli
 from tests.reference.hf_tiny import hf_config, save_hf_model
 
 
 def run(*argv) -> int:
     parser = argparse.ArgumentParser(prog="jaxspec train-drafter")
-    add_train_arguments(parser)
-    return cmd_train_drafter(parser.parse_args([str(a) for a in argv]))
+    train_cli.add_arguments(parser)
+    return train_cli.run(parser.parse_args([str(a) for a in argv]))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,38 @@ def test_bad_arguments(config_dir, tmp_path):
     for argv, match in cases:
         with pytest.raises(SystemExit, match=match):
             run(*argv)
+
+
+def test_training_flags_are_the_train_config_fields(tmp_path):
+    """Every TrainConfig field has a flag (and nothing else lands in it): a command line setting each of them to a
+    value other than its default gives exactly that TrainConfig; no flags give the defaults."""
+    from jaxspec.training import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    base = ["--target", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert train_cli.train_config(parser.parse_args(base)) == TrainConfig()
+    flags = ["--draft-vocab", "100", "--ttt-depth", "2", "--steps", "7", "--batch-size", "4", "--seq-len", "64"]
+    flags += ["--lr", "0.003", "--warmup", "2", "--weight-decay", "0.1", "--clip", "1.5", "--seed", "9", "--heads", "4"]
+    flags += ["--kv-heads", "2", "--intermediate-size", "48", "--capture-layers", "0,2"]
+    expected = TrainConfig(
+        draft_vocab_size=100,
+        ttt_depth=2,
+        steps=7,
+        batch_size=4,
+        seq_len=64,
+        lr=0.003,
+        warmup=2,
+        weight_decay=0.1,
+        clip=1.5,
+        seed=9,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=48,
+        capture_layers=(0, 2),
+    )
+    assert {f for f in TrainConfig.__dataclass_fields__ if getattr(expected, f) == getattr(TrainConfig(), f)} == set()
+    assert train_cli.train_config(parser.parse_args([*base, *flags])) == expected
 
 
 @pytest.mark.slow

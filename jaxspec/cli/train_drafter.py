@@ -12,17 +12,25 @@ prompt per line (with --ids: comma-separated token ids per line). Text needs the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import typing
 from pathlib import Path
 
-DEFAULT_DRAFT_VOCAB = 32000
+from jaxspec.cli.args import add_dtype_arg, add_mesh_arg
+
+HELP = "train an EAGLE-3 drafter for a target (optax, Orbax checkpoints, resumable); exports SGLang format"
+DESCRIPTION = (
+    "Generate the target's own responses to --prompts (or reuse --data), then train an EAGLE-3 "
+    "drafter with the training-time-test unroll and export it to --out."
+)
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of `jaxspec train-drafter` (register with `sub.add_parser(...)`, dispatch to `cmd_train_drafter`)."""
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of `jaxspec train-drafter`; the training group is generated from `TrainConfig`'s fields."""
     p.add_argument("--target", type=Path, required=True, help="target checkpoint directory (HF layout or converted)")
-    p.add_argument("--mesh", default=None, help="mesh DATAxMODEL; e.g. 8x1 = 8-way data parallel (default 1xN)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target (and drafter) dtype")
+    add_mesh_arg(p, "mesh DATAxMODEL; e.g. 8x1 = 8-way data parallel (default 1xN)")
+    add_dtype_arg(p, default="bfloat16", help="target (and drafter) dtype")
     p.add_argument("--out", type=Path, required=True, help="output directory: checkpoints, logs, the trained drafter")
     data = p.add_argument_group("data")
     data.add_argument("--prompts", type=Path, help="prompt file (.jsonl or one prompt per line) to generate data from")
@@ -33,25 +41,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--max-new-tokens", type=int, default=256, help="response tokens per prompt (%(default)s)")
     data.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the responses")
     data.add_argument("--shard-size", type=int, default=64, help="prompts per generated shard (%(default)s)")
-    tr = p.add_argument_group("training")
-    tr.add_argument(
-        "--draft-vocab", type=int, default=None, help=f"draft vocabulary size (default {DEFAULT_DRAFT_VOCAB})"
-    )
-    tr.add_argument("--ttt-depth", type=int, default=3, help="training-time-test steps (%(default)s)")
-    tr.add_argument("--steps", type=int, default=1000, help="optimizer steps (%(default)s)")
-    tr.add_argument("--batch-size", type=int, default=8, help="sequences per step (%(default)s)")
-    tr.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the dataset's)")
-    tr.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (%(default)s)")
-    tr.add_argument("--warmup", type=int, default=None, help="warmup steps (default min(100, steps/10))")
-    tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (%(default)s)")
-    tr.add_argument("--clip", type=float, default=0.5, help="gradient clipping global norm (%(default)s)")
-    tr.add_argument("--seed", type=int, default=0, help="seed of the init, data order and sampling (%(default)s)")
-    tr.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (%(default)s)")
-    tr.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    tr.add_argument("--heads", type=int, default=None, help="drafter attention heads (default: the target's)")
-    tr.add_argument("--kv-heads", type=int, default=None, help="drafter KV heads (default heads/8)")
-    tr.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
-    tr.add_argument("--capture-layers", default=None, help="target layer outputs to capture, e.g. 1,29,57")
+    add_train_config_args(p.add_argument_group("training"))
+    group = p.add_argument_group("run")
+    group.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (%(default)s)")
+    group.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+
+
+def add_train_config_args(group) -> None:
+    """One flag per `TrainConfig` field (dest = the field name; capture_layers as comma-separated text)."""
+    from jaxspec.training.trainer import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        kind = next((t for t in (float, int) if t in (hints[f.name], *typing.get_args(hints[f.name]))), None)
+        help = f.metadata["help"] + (" (%(default)s)" if f.default is not None else "")
+        metavar = flag[2:].upper().replace("-", "_")
+        group.add_argument(flag, dest=f.name, metavar=metavar, type=kind, default=f.default, help=help)
 
 
 def _fail(msg: str) -> SystemExit:
@@ -93,9 +99,9 @@ def read_prompt_file(path: Path, *, ids: bool) -> list[str | list[int]]:
 
 
 def _check_args(args) -> tuple:
-    """Everything that can be checked without the target's weights: (config, prompts or None, data dir, layers)."""
+    """Everything that can be checked without the target's weights: (config, prompts or None, data dir, TrainConfig)."""
     from jaxspec.config import ConfigError, KimiConfig
-    from jaxspec.training.data import DatasetError, read_manifest
+    from jaxspec.training.trainer import DEFAULT_DRAFT_VOCAB
 
     if not args.target.is_dir():
         raise _fail(f"--target: {args.target} is not a directory")
@@ -104,42 +110,55 @@ def _check_args(args) -> tuple:
     except (FileNotFoundError, ConfigError) as e:
         raise _fail(f"--target: {e}") from None
     V = cfg.vocab_size
-    if args.draft_vocab is None:
-        args.draft_vocab = min(DEFAULT_DRAFT_VOCAB, V)
-    if not 0 < args.draft_vocab <= V:
-        raise _fail(f"--draft-vocab: {args.draft_vocab} must be in [1, {V}] (the target's vocab_size)")
+    if args.draft_vocab_size is None:
+        args.draft_vocab_size = min(DEFAULT_DRAFT_VOCAB, V)
+    if not 0 < args.draft_vocab_size <= V:
+        raise _fail(f"--draft-vocab: {args.draft_vocab_size} must be in [1, {V}] (the target's vocab_size)")
     for flag in ("ttt_depth", "steps", "batch_size", "max_new_tokens", "checkpoint_every", "shard_size"):
         if getattr(args, flag) < 1:
             raise _fail(f"--{flag.replace('_', '-')}: expected a positive integer, got {getattr(args, flag)}")
+    config = train_config(args)
+    if config.capture_layers and not all(0 <= x < cfg.num_hidden_layers for x in config.capture_layers):
+        layers = list(config.capture_layers)
+        raise _fail(f"--capture-layers: {layers} must be layer outputs in [0, {cfg.num_hidden_layers})")
+    if (args.out / "train_config.json").is_file() and not args.resume:
+        raise _fail(f"--out: {args.out} holds an earlier training run; pass --resume to continue it, or another --out")
+    prompts, data_dir = _data_source(args, V)
+    return cfg, prompts, data_dir, config
+
+
+def train_config(args: argparse.Namespace):
+    """The TrainConfig of the parsed flags (one flag per field; --capture-layers parsed from comma-separated text)."""
+    from jaxspec.training.trainer import TrainConfig
+
     layers = None
     if args.capture_layers:
         try:
             layers = tuple(int(x) for x in args.capture_layers.split(","))
         except ValueError:
             raise _fail(f"--capture-layers: expected comma-separated integers, got {args.capture_layers!r}") from None
-        if not all(0 <= x < cfg.num_hidden_layers for x in layers):
-            raise _fail(f"--capture-layers: {list(layers)} must be layer outputs in [0, {cfg.num_hidden_layers})")
-    if (args.out / "train_config.json").is_file() and not args.resume:
-        raise _fail(f"--out: {args.out} holds an earlier training run; pass --resume to continue it, or another --out")
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**settings | {"capture_layers": layers})
 
-    prompts = None
+
+def _data_source(args, vocab_size: int) -> tuple[list | None, Path]:
+    """(prompts to generate from or None, dataset directory): --prompts, or an existing --data for this vocabulary."""
+    from jaxspec.training.data import DatasetError, read_manifest
+
     if args.prompts is not None:
-        prompts = read_prompt_file(args.prompts, ids=args.ids)
-        data_dir = args.data or args.out / "data"
-    elif args.data is not None:
-        data_dir = args.data
-        try:
-            manifest = read_manifest(data_dir)
-        except DatasetError as e:
-            raise _fail(f"--data: {e}") from None
-        if manifest["target"]["vocab_size"] != V:
-            raise _fail(
-                f"--data: {data_dir} was generated for a vocabulary of {manifest['target']['vocab_size']} tokens, "
-                f"the target has {V}"
-            )
-    else:
+        return read_prompt_file(args.prompts, ids=args.ids), args.data or args.out / "data"
+    if args.data is None:
         raise _fail("give --prompts FILE (generate the data) or --data DIR (an existing dataset)")
-    return cfg, prompts, data_dir, layers
+    try:
+        manifest = read_manifest(args.data)
+    except DatasetError as e:
+        raise _fail(f"--data: {e}") from None
+    if manifest["target"]["vocab_size"] != vocab_size:
+        raise _fail(
+            f"--data: {args.data} was generated for a vocabulary of {manifest['target']['vocab_size']} tokens, "
+            f"the target has {vocab_size}"
+        )
+    return None, args.data
 
 
 def _encode(args, prompts: list, vocab_size: int) -> tuple[list[list[int]], tuple[int, ...]]:
@@ -163,7 +182,7 @@ def _encode(args, prompts: list, vocab_size: int) -> tuple[list[list[int]], tupl
     return out, stop
 
 
-def cmd_train_drafter(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """`jaxspec train-drafter`: check the arguments, load the target, generate data if asked, train, export."""
     import jax.numpy as jnp
 
@@ -172,7 +191,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from jaxspec.training.trainer import train_drafter
     from sharding.mesh import make_mesh
 
-    cfg, prompts, data_dir, layers = _check_args(args)
+    cfg, prompts, data_dir, config = _check_args(args)
     if prompts is not None:
         prompts, stop = _encode(args, prompts, cfg.vocab_size)
     try:
@@ -183,38 +202,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     print(f"target: {args.target} ({cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}); mesh {dict(mesh.shape)}")
     try:
         if prompts is not None:
-            generate_dataset(
-                target,
-                prompts,
-                data_dir,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                seed=args.seed,
-                stop=stop,
-                shard_size=args.shard_size,
-            )
+            data = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, shard_size=args.shard_size)
+            generate_dataset(target, prompts, data_dir, seed=config.seed, stop=stop, **data)
             print(f"dataset: {data_dir}")
-        drafter = train_drafter(
-            target,
-            data_dir,
-            args.out,
-            draft_vocab_size=args.draft_vocab,
-            ttt_depth=args.ttt_depth,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            lr=args.lr,
-            warmup=args.warmup,
-            weight_decay=args.weight_decay,
-            clip=args.clip,
-            seed=args.seed,
-            checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            intermediate_size=args.intermediate_size,
-            capture_layers=layers,
-        )
+        options = dict(checkpoint_every=args.checkpoint_every, resume=args.resume)
+        drafter = train_drafter(target, data_dir, args.out, config, **options)
     except (ValueError, FileExistsError) as e:
         raise _fail(str(e)) from None
     last = (args.out / "train_log.jsonl").read_text().splitlines()[-1]

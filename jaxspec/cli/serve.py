@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
+from jaxspec.cli.args import (
+    add_drafter_arg,
+    add_dtype_arg,
+    add_mesh_arg,
+    add_model_arg,
+    add_num_steps_args,
+    recommended_k,
+    use_bundled_pair,
+)
+
 log = logging.getLogger("jaxspec.serving")
+HELP = "OpenAI-compatible HTTP server: continuous batching with speculative decoding"
+DESCRIPTION = "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target checkpoint directory (default: the bundled pair, assets/kimi-py-tiny)")
-    p.add_argument("--drafter", help="EAGLE-3 drafter directory (default with the bundled pair: its drafter)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p, "target checkpoint directory (default: the bundled pair, assets/kimi-py-tiny)")
+    add_drafter_arg(p, "EAGLE-3 drafter directory (default with the bundled pair: its drafter)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
-    p.add_argument(
-        "--num-steps",
+    add_num_steps_args(
+        p,
         default="auto",
-        help="draft tokens per cycle, 0 = plain decoding, or 'auto': the recommended_k of --tune DIR/tune.json, "
-        "for the bundled pair its committed tuning result (default: %(default)s)",
+        auto_help="the recommended_k of --tune DIR/tune.json, for the bundled pair its committed tuning result",
     )
-    p.add_argument("--tune", type=Path, help="directory holding tune.json from 'jaxspec tune' (for --num-steps auto)")
     p.add_argument("--max-batch", type=int, default=8, help="slots: the batch of the compiled loop (%(default)s)")
     p.add_argument(
         "--max-context", type=int, default=1024, help="positions per slot: prompt + max_tokens + k + 2 (%(default)s)"
@@ -42,13 +51,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "kimi", "plain"],
         help="auto: Kimi's chat template when the vocabulary has its tokens, else plain 'role: content' lines",
     )
-    p.add_argument("--mesh", default=None, help="mesh shape 1xMODEL (default: one device)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["bfloat16", "float32"],
-        help="(default: float32 for the bundled pair, else bfloat16)",
-    )
+    add_mesh_arg(p, "mesh shape 1xMODEL (default: one device)")
+    add_dtype_arg(p, help="(default: float32 for the bundled pair, else bfloat16)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -70,19 +74,19 @@ def _num_steps(args, bundled: bool) -> int:
         raise SystemExit("jaxspec serve: --num-steps auto needs --tune DIR (the output of 'jaxspec tune')")
     if not path.is_file():
         raise SystemExit(f"jaxspec serve: --num-steps auto: {path} not found (run 'jaxspec tune')")
-    k = int(json.loads(path.read_text())["recommended_k"])
+    k = recommended_k(path)
     log.info("--num-steps auto: k = %d (recommended_k of %s)", k, path)
     return k
 
 
-def cmd_serve(args) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Load the pair, compile the engine (warm-up), then serve until interrupted."""
     import jax.numpy as jnp
     import uvicorn
 
-    from jaxspec import bundled as bundled_pair
     from jaxspec.io import load_drafter, load_target
     from jaxspec.serving.app import create_app
-    from jaxspec.serving.engine import Engine, EngineConfig
+    from jaxspec.serving.engine import Engine
     from jaxspec.serving.metrics import Metrics
     from jaxspec.tokenizer import load_tokenizer
     from sharding.mesh import make_mesh
@@ -90,26 +94,11 @@ def cmd_serve(args) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-    bundled = args.model is None
-    if bundled:
-        target_dir, drafter_dir = bundled_pair.paths()
-        args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
-        args.dtype = args.dtype or "float32"
+    bundled = use_bundled_pair(args)
     num_steps = _num_steps(args, bundled)
     if num_steps and not args.drafter:
         raise SystemExit("jaxspec serve: --num-steps > 0 needs --drafter (or --num-steps 0)")
-    try:
-        config = EngineConfig(
-            max_batch=args.max_batch,
-            max_context=args.max_context,
-            num_steps=num_steps,
-            prefill_chunk=args.prefill_chunk,
-            segment_cycles=args.segment_cycles,
-            max_queue=args.max_queue,
-            batch_buckets=tuple(int(b) for b in args.batch_buckets.split(",") if b.strip()),
-        )
-    except ValueError as e:  # also a --batch-buckets entry that is not an integer
-        raise SystemExit(f"jaxspec serve: {e}") from None
+    config = _engine_config(args, num_steps)
     dtype = jnp.dtype(args.dtype or "bfloat16")
     log.info("loading %s (%s)", args.model, dtype)
     target = load_target(args.model, mesh=make_mesh(args.mesh) if args.mesh else None, dtype=dtype)
@@ -123,3 +112,21 @@ def cmd_serve(args) -> int:
     log.info("serving %s on http://%s:%d (k = %d)", name, args.host, args.port, num_steps)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
     return 0
+
+
+def _engine_config(args: argparse.Namespace, num_steps: int):
+    """The engine settings of the flags (errors as one line naming the problem)."""
+    from jaxspec.serving.engine import EngineConfig
+
+    try:
+        return EngineConfig(
+            max_batch=args.max_batch,
+            max_context=args.max_context,
+            num_steps=num_steps,
+            prefill_chunk=args.prefill_chunk,
+            segment_cycles=args.segment_cycles,
+            max_queue=args.max_queue,
+            batch_buckets=tuple(int(b) for b in args.batch_buckets.split(",") if b.strip()),
+        )
+    except ValueError as e:  # also a --batch-buckets entry that is not an integer
+        raise SystemExit(f"jaxspec serve: {e}") from None

@@ -1,0 +1,159 @@
+"""Argument groups shared by the `jaxspec` commands (each flag declared once here) and the helpers that turn them
+into a target and a drafter.
+
+Commands differ in which of the target flags they offer (`tune` has no --devices: its preset sweep re-runs itself in
+child processes that would not see a device subset; `train-drafter` and `serve` load a directory only) and in what
+their defaults mean, so the groups take options instead of being copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+DTYPES = ("bfloat16", "float32")
+MODEL_HELP = "HF-layout checkpoint directory (config.json + safetensors)"
+MESH_HELP = "mesh shape DATAxMODEL, e.g. 1x8 (default: all devices on MODEL)"
+DTYPE_HELP = "compute dtype (default: bfloat16; float32 for the bundled pair, which CPUs run faster in float32)"
+
+
+class UsageError(SystemExit):
+    """A bad argument or input file, reported as one argparse-style line (no traceback)."""
+
+    def __init__(self, command: str, message: str):
+        super().__init__(f"jaxspec {command}: error: {message}")
+
+
+# ----------------------------------------------------------------------------------------------- argument groups
+def add_model_arg(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    p.add_argument("--model", help=help)
+
+
+def add_mesh_arg(p: argparse.ArgumentParser, help: str = MESH_HELP) -> None:
+    p.add_argument("--mesh", default=None, help=help)
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, default: str | None = None, help: str = DTYPE_HELP) -> None:
+    p.add_argument("--dtype", default=default, choices=list(DTYPES), help=help)
+
+
+def add_drafter_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--drafter", default=None, help=help)
+
+
+def add_target_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None:
+    """--model, --preset, --mesh, --dtype and (with `devices`) --devices: the target flags of most commands."""
+    add_model_arg(p)
+    p.add_argument("--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5")
+    add_mesh_arg(p)
+    if devices:
+        p.add_argument(
+            "--devices",
+            default=None,
+            metavar="SPEC",
+            help="use a subset of the devices for the mesh: a count (4 = the first four), ids (0,2,4,6) or a range "
+            "(4-7)",
+        )
+    add_dtype_arg(p)
+
+
+def add_num_steps_args(p: argparse.ArgumentParser, *, default: str, auto_help: str) -> None:
+    """--num-steps (an integer or 'auto') and --tune DIR (where 'auto' reads recommended_k)."""
+    p.add_argument(
+        "--num-steps",
+        default=default,
+        help=f"draft tokens per cycle, 0 = plain decoding, or 'auto': {auto_help} (default: %(default)s)",
+    )
+    p.add_argument("--tune", type=Path, help="directory holding tune.json from 'jaxspec tune' (for --num-steps auto)")
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def int_list(text: str, flag: str, fail: Callable[[str], NoReturn]) -> list[int]:
+    """Comma-separated non-negative token ids, or `fail` with a message naming `flag`."""
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        fail(f"{flag}: expected comma-separated integers, got {text!r}")
+    if min(ids) < 0:
+        fail(f"{flag}: token ids must be >= 0, got {text!r}")
+    return ids
+
+
+def check_target_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """The target flags of `add_target_args`, checked without loading anything."""
+    if args.model and args.preset:
+        fail("give --model or --preset, not both")
+    if args.model:
+        model = Path(args.model)
+        if not model.is_dir():
+            fail(f"--model: {model} is not a directory")
+        if not (model / "config.json").is_file():
+            fail(f"--model: {model} holds no config.json")
+    if args.preset:
+        from jaxspec.config import PRESETS
+
+        if args.preset not in PRESETS:
+            fail(f"--preset: unknown preset {args.preset!r} (available: {', '.join(sorted(PRESETS))})")
+    if args.mesh is not None:
+        from sharding.mesh import parse_shape
+
+        try:
+            parse_shape(args.mesh)
+        except ValueError as e:
+            fail(f"--mesh: {e}")
+    if getattr(args, "devices", None) is not None:
+        from sharding.mesh import parse_devices
+
+        try:
+            parse_devices(args.devices)
+        except ValueError as e:
+            fail(f"--{e}")
+
+
+def recommended_k(path: Path) -> int:
+    """The recommended draft depth in a tune.json written by `jaxspec tune`."""
+    return int(json.loads(path.read_text())["recommended_k"])
+
+
+# ----------------------------------------------------------------------------------------------- target, drafter
+def use_bundled_pair(args: argparse.Namespace) -> bool:
+    """With neither --model nor --preset, point the arguments at the bundled trained pair (target, drafter, float32
+    unless --dtype says otherwise) and return True; otherwise leave them alone and return False."""
+    if args.model or getattr(args, "preset", None):
+        return False
+    from jaxspec import bundled
+
+    target_dir, drafter_dir = bundled.paths()
+    args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
+    args.dtype = args.dtype or "float32"
+    return True
+
+
+def build_target(args: argparse.Namespace, *, abstract: bool) -> tuple[Any, str]:
+    """(Target, where it came from) for the target flags: --model's checkpoint, or --preset (default tiny) with random
+    weights; `abstract`: shapes only (nothing allocated)."""
+    import jax.numpy as jnp
+
+    from jaxspec import KimiConfig, Target, load_target
+    from sharding.mesh import make_mesh, select_devices
+
+    if args.model and args.preset:
+        raise UsageError(args.command, "give --model or --preset, not both")
+    try:
+        devices = select_devices(args.devices) if getattr(args, "devices", None) else None
+        mesh = make_mesh(args.mesh, devices)
+    except ValueError as e:
+        raise UsageError(args.command, f"--mesh/--devices: {e}") from None
+    dtype = jnp.dtype(args.dtype or "bfloat16")
+    if args.model:
+        if abstract:
+            return Target.abstract(KimiConfig.from_pretrained(args.model), mesh=mesh, dtype=dtype), args.model
+        return load_target(args.model, mesh=mesh, dtype=dtype), args.model
+    name = args.preset or "tiny"
+    cfg = KimiConfig.preset(name)
+    if abstract:
+        return Target.abstract(cfg, mesh=mesh, dtype=dtype), f"preset {name!r}"
+    return Target.random(cfg, mesh=mesh, dtype=dtype), f"preset {name!r} (random weights)"
