@@ -142,8 +142,9 @@ def finish(draft: TreeDraft, root_B: jax.Array, prefix_len_B: jax.Array, num_dra
     else:  # the root alone: plain decoding through the same machinery
         kept = jnp.zeros((B, 0), jnp.int32)
     parent_cand = jnp.take_along_axis(draft.parents, kept, axis=1)
-    # A kept node's parent is kept (see the module docstring): find its place in `kept`.
-    parent_node = 1 + jnp.argmax(kept[:, None, :] == parent_cand[:, :, None], axis=-1)
+    # A kept node's parent is kept (see the module docstring): its place in `kept` is the one index that matches.
+    place_BTS = kept[:, None, :] == parent_cand[:, :, None]
+    parent_node = 1 + jnp.sum(place_BTS * jnp.arange(kept.shape[1], dtype=jnp.int32), axis=-1)
     root_col = lambda v, x: jnp.concatenate([jnp.full((B, 1), v, x.dtype), x], axis=1)  # noqa: E731
     parent_BT = root_col(-1, jnp.where(parent_cand < 0, 0, parent_node).astype(jnp.int32))
     depth_BT = root_col(0, jnp.asarray(_candidate_depths(draft.topk, M))[kept])
@@ -243,9 +244,10 @@ def speculative_accept_tree(
       Equivalently, draw x ~ p and descend while x is a child.
     - `q_probs_BTV` [B, T, V]: the drafter's distribution at each node (from `node_values`), whose children were
       sampled from it WITHOUT replacement in node order (`expand` with a key), so q_i is q with x_1..x_{i-1} removed
-      and renormalised. Which nodes are expanded may depend on the children's scores, but no sampled child may be
-      dropped because of its own value (keep every candidate: num_draft_tokens = 1 + all candidates), or x_i ~ q_i
-      no longer holds. Both p and q must be warped by the same `Sampling`.
+      and renormalised (children beyond q's support, which `expand` adds when topk exceeds it, are skipped: such a
+      child has q_i = 0 and cannot be a draw from it). Which nodes are expanded may depend on the children's
+      scores, but no sampled child may be dropped because of its own value (keep every candidate: num_draft_tokens
+      = 1 + all candidates), or x_i ~ q_i no longer holds. Both p and q must be warped by the same `Sampling`.
     """
     B, T = tree.tokens_BT.shape
     if p_probs_BTV.shape[:2] != (B, T):
@@ -282,7 +284,8 @@ def _walk_row(key, tokens_T, parent_T, p_TV, q_TV, max_depth: int, max_children:
             else:
                 q_V = left_V / jnp.maximum(left_V.sum(), jnp.finfo(jnp.float32).tiny)
                 left_V = jnp.where(is_i_T.any(), left_V.at[x].set(0.0), left_V)
-            trying = is_i_T.any() & (accepted < 0)
+            # A child q gives no mass (more children than q's support) cannot be a draw from q: it is skipped.
+            trying = is_i_T.any() & (accepted < 0) & (q_V[x] > 0)
             accept = trying & (u_K[i] * q_V[x] < r_V[x])  # u < r/q without the division
             residual_V = _residual(r_V, q_V)
             r_V = jnp.where(trying & ~accept, residual_V / residual_V.sum(), r_V)
