@@ -254,49 +254,58 @@ def speculative_accept_tree(
         raise ValueError(f"p_probs_BTV: expected [B, T, V] = [{B}, {T}, V] for the tree, got {p_probs_BTV.shape}")
     if q_probs_BTV is not None and q_probs_BTV.shape != p_probs_BTV.shape:
         raise ValueError(f"q_probs_BTV: expected p's shape {p_probs_BTV.shape}, got {q_probs_BTV.shape}")
-    keys_B = jax.random.split(key, B) if key.ndim == 0 else key
-    walk = lambda k, tok, par, p, q: _walk_row(k, tok, par, p, q, tree.max_depth, tree.max_children)  # noqa: E731
-    last_B, next_B = jax.vmap(walk)(keys_B, tree.tokens_BT, tree.parent_BT, p_probs_BTV, q_probs_BTV)
+    levels, k = tree.max_depth + 1, tree.max_children
+    # All randomness is drawn here, outside the per-row walk: random ops inside a vmapped loop compile slowly.
+    if key.ndim == 0:
+        u_key, draw_key = jax.random.split(key)
+        u_BLK = jax.random.uniform(u_key, (B, levels, k))
+        draw = lambda logits_BV: jax.random.categorical(draw_key, logits_BV, axis=-1)  # noqa: E731
+    else:  # one key per row [B]: a row's draws depend only on its own key
+        u_key_B, draw_key_B = jnp.swapaxes(jax.vmap(lambda kb: jax.random.split(kb))(key), 0, 1)
+        u_BLK = jax.vmap(lambda kb: jax.random.uniform(kb, (levels, k)))(u_key_B)
+        draw = lambda logits_BV: jax.vmap(jax.random.categorical)(draw_key_B, logits_BV)  # noqa: E731
+    walk = lambda u, tok, par, p, q: _walk_row(u, tok, par, p, q)  # noqa: E731
+    last_B, residual_BV = jax.vmap(walk)(u_BLK, tree.tokens_BT, tree.parent_BT, p_probs_BTV, q_probs_BTV)
     num_accepted_B = jnp.take_along_axis(tree.depth_BT, last_B[:, None], axis=1)[:, 0]
-    return path_nodes(tree, last_B), num_accepted_B, next_B
+    return path_nodes(tree, last_B), num_accepted_B, draw(jnp.log(residual_BV)).astype(jnp.int32)
 
 
-def _walk_row(key, tokens_T, parent_T, p_TV, q_TV, max_depth: int, max_children: int):
-    """One row of `speculative_accept_tree`: (last accepted node, next token)."""
+def _walk_row(u_LK, tokens_T, parent_T, p_TV, q_TV):
+    """One row of `speculative_accept_tree` with its uniforms [levels, max_children]: (last accepted node, the
+    residual distribution the next token is drawn from)."""
     V = p_TV.shape[-1]
     p_TV = p_TV.astype(jnp.float32)
 
     def level(d, carry):
-        node, done, next_token = carry
-        accept_key, residual_key = jax.random.split(jax.random.fold_in(key, d))
-        u_K = jax.random.uniform(accept_key, (max_children,))
+        node, done, final_V = carry
         child_T = parent_T == node
         rank_T = jnp.cumsum(child_T) - 1
-        r_V = p_TV[node]
-        left_V = None if q_TV is None else q_TV[node].astype(jnp.float32)  # q minus the children tried so far
-        accepted = jnp.int32(-1)
-        for i in range(max_children):
+
+        def sibling(i, c):
+            r_V, left_V, accepted = c  # left_V: q minus the children tried so far (unused without q)
             is_i_T = child_T & (rank_T == i)
             t = jnp.argmax(is_i_T).astype(jnp.int32)
             x = tokens_T[t]
-            if left_V is None:
+            if q_TV is None:
                 q_V = jax.nn.one_hot(x, V, dtype=jnp.float32)
             else:
                 q_V = left_V / jnp.maximum(left_V.sum(), jnp.finfo(jnp.float32).tiny)
                 left_V = jnp.where(is_i_T.any(), left_V.at[x].set(0.0), left_V)
             # A child q gives no mass (more children than q's support) cannot be a draw from q: it is skipped.
             trying = is_i_T.any() & (accepted < 0) & (q_V[x] > 0)
-            accept = trying & (u_K[i] * q_V[x] < r_V[x])  # u < r/q without the division
+            accept = trying & (u_LK[d, i] * q_V[x] < r_V[x])  # u < r/q without the division
             residual_V = _residual(r_V, q_V)
             r_V = jnp.where(trying & ~accept, residual_V / residual_V.sum(), r_V)
-            accepted = jnp.where(accept, t, accepted)
-        stop = ~done & (accepted < 0)
-        drawn = jax.random.categorical(residual_key, jnp.log(r_V)).astype(jnp.int32)
-        return jnp.where(done | stop, node, accepted), done | stop, jnp.where(stop, drawn, next_token)
+            return r_V, left_V, jnp.where(accept, t, accepted)
 
-    init = (jnp.int32(0), jnp.bool_(False), jnp.int32(0))
-    last, _, next_token = jax.lax.fori_loop(0, max_depth + 1, level, init)
-    return last, next_token
+        left_V = jnp.zeros(()) if q_TV is None else q_TV[node].astype(jnp.float32)
+        r_V, _, accepted = jax.lax.fori_loop(0, u_LK.shape[1], sibling, (p_TV[node], left_V, jnp.int32(-1)))
+        stop = ~done & (accepted < 0)
+        return jnp.where(done | stop, node, accepted), done | stop, jnp.where(stop, r_V, final_V)
+
+    init = (jnp.int32(0), jnp.bool_(False), p_TV[0])
+    last, _, final_V = jax.lax.fori_loop(0, u_LK.shape[0], level, init)
+    return last, final_V
 
 
 def compact_path(

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy import stats
 
 from jaxspec.decoding import tree as tr
 from jaxspec.decoding.acceptance import greedy_accept_ids
 from jaxspec.decoding.sampling import Sampling, warp
 from jaxspec.models.mla import write_cache
+from tests.decoding.test_acceptance import _chisquare_pvalue
 
-ALPHA = 1e-3  # per statistical assertion, as in test_acceptance.py
+ALPHA = 1e-3  # per statistical assertion, as in test_acceptance.py (whose chi-square helper this file uses)
 N = 200_000
 V = 6
 
@@ -336,18 +336,6 @@ def sampling_cycle(key, root_N, target_VV, draft_VV, sampling, topk, num_steps, 
     return jnp.take_along_axis(tree.tokens_BT, path, axis=1), accepted_N, next_N
 
 
-def chisquare_pvalue(tokens_N, probs) -> float:
-    """p-value of "tokens_N are iid draws from probs"; 0 if a zero-probability cell was drawn (as test_acceptance)."""
-    probs = np.asarray(probs, np.float64).ravel()
-    probs /= probs.sum()
-    counts = np.bincount(np.asarray(tokens_N), minlength=probs.size)
-    if counts[probs == 0].any():
-        return 0.0
-    expected = len(tokens_N) * probs[probs > 0]
-    assert expected.min() >= 5, f"chi-square needs >= 5 expected draws per cell, got {expected.min():.1f}"
-    return float(stats.chisquare(counts[probs > 0], expected).pvalue)
-
-
 def tree_pvalues(sampling, topk, num_steps, num_draft_tokens, mode, drafter):
     """(first-token p-value, first-two-tokens p-value, mean accepted) from root 0, over N rows."""
     rng = np.random.default_rng(0)
@@ -366,8 +354,8 @@ def tree_pvalues(sampling, topk, num_steps, num_draft_tokens, mode, drafter):
     second_N = np.where(accepted1_N >= 2, path1_NJ[:, min(2, num_steps)], np.where(accepted1_N == 1, next1_N, 0))
     second_N = np.where(accepted1_N == 0, first_of(*cycle(2, first_N)), second_N)
     p_VV = np.exp(np.asarray(jax.jit(warp, static_argnums=1)(target_VV, sampling), np.float64))
-    first = chisquare_pvalue(first_N, p_VV[0])
-    joint = chisquare_pvalue(first_N * V + second_N, p_VV[0][:, None] * p_VV)
+    first = _chisquare_pvalue(first_N, p_VV[0])
+    joint = _chisquare_pvalue(first_N * V + second_N, p_VV[0][:, None] * p_VV)
     return first, joint, float(accepted1_N.mean())
 
 
@@ -409,3 +397,27 @@ def test_lossless_test_catches_resampling_from_p(monkeypatch, mode):
     monkeypatch.setattr(tr, "_residual", lambda r_V, q_V: r_V)
     _, joint, _ = tree_pvalues(T1, 2, 2, 7, mode, "noisy")
     assert joint < ALPHA
+
+
+def test_per_row_keys_make_rows_independent():
+    """With one key per row [B] (the serving engine's), a row's result depends only on its own key and inputs:
+    permuting the rows (keys with them) permutes the results."""
+    rng = np.random.default_rng(8)
+    draft_VV, B = rng.standard_normal((V, V)).astype(np.float32), 6
+    tree, logq = build(
+        draft_VV,
+        rng.integers(0, V, B).astype(np.int32),
+        np.zeros(B, np.int32),
+        jax.random.key(0),
+        topk=2,
+        num_steps=2,
+        num_draft_tokens=5,
+        sampled=True,
+    )
+    p_BTV = jax.nn.softmax(jnp.asarray(rng.standard_normal((B, 5, V)), jnp.float32))
+    keys = jax.random.split(jax.random.key(3), B)
+    accept = jax.jit(tr.speculative_accept_tree)
+    batch = accept(keys, tree, p_BTV, jnp.exp(logq))
+    perm = rng.permutation(B)
+    permuted = accept(*jax.tree.map(lambda a: a[perm], (keys, tree, p_BTV, jnp.exp(logq))))
+    assert all(np.array_equal(np.asarray(x)[perm], y) for x, y in zip(batch, permuted, strict=True))
