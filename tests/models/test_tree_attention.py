@@ -31,7 +31,7 @@ L, LAYER, BLK = 2, 1, 8  # two layers in the stacked cache; the layer under test
 
 @pytest.fixture(scope="module")
 def layer():
-    graphdef, params = nnx.split(MLA(CFG, jnp.float32, nnx.Rngs(11)))
+    graphdef, params = nnx.split(nnx.jit(lambda: MLA(CFG, jnp.float32, nnx.Rngs(11)))())  # one compile, not one per op
     params = jax.tree.map(lambda w: w * 4.0, params)  # a peaked softmax: attending to a wrong slot shows
     freqs, factor = rope.inv_freq(R, CFG.rope_theta, CFG.rope_scaling)
     return graphdef, params, jnp.asarray(freqs), factor
@@ -98,11 +98,15 @@ def _tree_core(graphdef, params, q_nope, q_rope, fresh, cache, prefix_B, mask_BT
     return jnp.einsum("BTNC,CNA->BTNA", _softmax_finish(state, jnp.float32), mla.kv_b_v[...])
 
 
-# (each row's prefix length, tree nodes T, buffer S): prefixes ragged, one empty, block boundaries crossed.
-CORE_CASES = [([5, 16, 0], 6, 40), ([30, 9], 9, 44), ([3], 1, 12)]
+# (each row's prefix length, tree nodes T, buffer S): prefixes ragged, one empty, block boundaries crossed. The
+# default cases share their shapes (one compile); the slow ones add a larger tree and a root-only "tree" (T = 1).
+CORE_CASES = [([5, 16, 0], 6, 40), ([31, 8, 2], 6, 40)]
+SLOW_CORE_CASES = [([30, 9], 9, 44), ([3], 1, 12)]
 
 
-@pytest.mark.parametrize(("prefix", "T", "S"), CORE_CASES)
+@pytest.mark.parametrize(
+    ("prefix", "T", "S"), CORE_CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CORE_CASES]
+)
 def test_tree_attention_equals_dense_masked_softmax(layer, prefix, T, S):
     graphdef, params, _, _ = layer
     rng = np.random.default_rng(sum(prefix) + T)
@@ -151,8 +155,9 @@ def run_layer(layer, x, pos, cache, prefix=None, mask=None):
 
 def test_chain_mask_equals_mla_verify(layer):
     rng = np.random.default_rng(1)
-    prefix, T, S = [7, 20, 0], 4, 37
-    B = len(prefix)
+    # The shapes of the chain verifies in the next test (B = 16 rows, T = 4, S = 40): their program is reused.
+    B, T, S = 16, 4, 40
+    prefix = [7, 20, 0, 31] + rng.integers(0, 30, B - 4).tolist()
     prefix_B = np.asarray(prefix, np.int32)
     x = rng.standard_normal((B, T, CFG.hidden_size)).astype(np.float32)
     pos = prefix_B[:, None] + np.arange(T)
@@ -165,16 +170,22 @@ def test_chain_mask_equals_mla_verify(layer):
     np.testing.assert_array_equal(out_cache, want_cache)
 
 
+@jax.jit
+def build_tree(logits_JBKV, prefix_B):
+    """A 3-step topk-3 tree of 8 nodes from random drafter logits (step 1 uses the first slot only)."""
+    draft = tr.first_expansion(logits_JBKV[0, :, 0], 3)
+    for logits_BKV in logits_JBKV[1:]:
+        draft = tr.expand(draft, logits_BKV)
+    return tr.finish(draft, jnp.zeros_like(prefix_B), prefix_B, 8)
+
+
 def test_tree_node_equals_chain_verify_of_its_path(layer):
     """Node t of a tree sees exactly what the last token of a chain verify over its root-to-t path sees."""
     rng = np.random.default_rng(2)
     prefix, S = [6, 13], 40
     B, D = len(prefix), CFG.hidden_size
-    draft = tr.first_expansion(jnp.asarray(rng.standard_normal((B, 9))), 3)
-    draft = tr.expand(draft, jnp.asarray(rng.standard_normal((B, 3, 9))))
-    draft = tr.expand(draft, jnp.asarray(rng.standard_normal((B, 3, 9))))
     prefix_B = np.asarray(prefix, np.int32)
-    tree = tr.finish(draft, jnp.zeros(B, jnp.int32), jnp.asarray(prefix_B), 8)
+    tree = build_tree(rng.standard_normal((3, B, 3, 9)).astype(np.float32), prefix_B)
     T, J = 8, tree.max_depth + 1
     x = rng.standard_normal((B, T, D)).astype(np.float32)
     cache = poisoned_cache(rng, prefix, S, extra_live=T)
