@@ -23,6 +23,21 @@ first) have no glossary letter and carry no suffix.
 4. Commit (`compact_path`): the verify step writes node t's KV at cache slot prefix + t (RoPE position prefix +
    depth); the accepted path's entries move to slots prefix + 0..a, so the cache holds exactly the path, each entry
    at its own position.
+
+How a cycle of the loop uses them (n = the row's processed length, the root is the pending token at position n):
+- draft: `first_expansion` on the drafter's logits at the root (from the previous draft-extend). Drafter step s
+  (s = 1..num_steps-1) runs the topk frontier nodes of depth s as topk queries per row: tokens
+  `frontier_tokens`, hidden inputs = the previous step's h2 gathered by `frontier_parent_slot` (step 1: the root's
+  hidden state for every slot), position n + s - 1 for all of them (a chain's d_s). Their KV goes to a scratch
+  buffer of (num_steps - 1) * topk entries, not to the drafter cache (topk entries share one position); a query
+  sees the drafter cache below position n and the scratch entries `lineage` marks (its ancestors and itself).
+  `expand` then takes their logits. topk = 1 makes every piece the chain's.
+- verify: `finish(draft, pending, n, num_draft_tokens)`; one target forward over `tokens_BT` at `positions_BT` with
+  `mask_BTS` (models/tree_attention.py), writing node t's latent at slot n + t.
+- accept: `greedy_accept_tree` on the target's argmax ids, or `speculative_accept_tree` on its warped probs
+  (target-only for top-k trees); emitted = the path's tokens after the root, then `next_token`.
+- commit: `compact_path` on the target cache; the drafter cache needs none: draft-extend runs over the compacted path
+  (emitted tokens at positions n..n+a, the captured target states gathered by `path`) and writes its own KV there.
 """
 
 from __future__ import annotations
@@ -39,11 +54,14 @@ from jaxspec.decoding.acceptance import _residual
 class TreeDraft:
     """A tree being drafted: every candidate so far, in candidate order (step by step, frontier slot, child rank)."""
 
-    tokens: jax.Array  # [B, M] int32 candidate tokens
-    scores: jax.Array  # [B, M] float32 path log-probability under the drafter
-    parents: jax.Array  # [B, M] int32 candidate index of the parent; -1 = the root
+    tokens: jax.Array  # [B, candidates] int32 candidate tokens
+    scores: jax.Array  # [B, candidates] float32 path log-probability under the drafter
+    parents: jax.Array  # [B, candidates] int32 candidate index of the parent; -1 = the root
     frontier: jax.Array  # [B, topk] candidate indices of the nodes the next `expand` expands
     frontier_parent_slot: jax.Array  # [B, topk] which slot of the previous frontier each frontier node descends from
+    # [B, topk, steps * topk] bool: which frontier slots of steps 1..now (step-major) are this frontier node or its
+    # ancestors: the drafter's attention mask over the entries its tree steps wrote (see the module docstring).
+    lineage: jax.Array
     expanded: tuple[jax.Array, ...]  # frontiers already expanded, one [B, topk] per `expand` (for `node_values`)
     topk: int = struct.field(pytree_node=False)
 
@@ -95,7 +113,10 @@ def first_expansion(root_logp_BV: jax.Array, topk: int, key: jax.Array | None = 
     scores, tokens = _top_children(root_logp_BV, topk, key)
     B = tokens.shape[0]
     slots = jnp.broadcast_to(jnp.arange(topk, dtype=jnp.int32), (B, topk))
-    return TreeDraft(tokens, scores, jnp.full((B, topk), -1, jnp.int32), slots, jnp.zeros_like(slots), (), topk)
+    lineage = jnp.broadcast_to(jnp.eye(topk, dtype=bool), (B, topk, topk))
+    return TreeDraft(
+        tokens, scores, jnp.full((B, topk), -1, jnp.int32), slots, jnp.zeros_like(slots), lineage, (), topk
+    )
 
 
 def expand(draft: TreeDraft, frontier_logp_BKV: jax.Array, key: jax.Array | None = None) -> TreeDraft:
@@ -109,13 +130,16 @@ def expand(draft: TreeDraft, frontier_logp_BKV: jax.Array, key: jax.Array | None
     scores = (frontier_scores[:, :, None] + child_logp).reshape(B, k * k)
     parents = jnp.broadcast_to(draft.frontier[:, :, None], (B, k, k)).reshape(B, k * k)
     _, best = jax.lax.top_k(scores, k)  # ties rank the lower index first
-    offset = draft.tokens.shape[1]
+    offset, parent_slot = draft.tokens.shape[1], (best // k).astype(jnp.int32)
+    inherited = jnp.take_along_axis(draft.lineage, parent_slot[:, :, None], axis=1)
+    own = jnp.broadcast_to(jnp.eye(k, dtype=bool), (B, k, k))
     return TreeDraft(
         tokens=jnp.concatenate([draft.tokens, child_tokens.reshape(B, k * k)], axis=1),
         scores=jnp.concatenate([draft.scores, scores], axis=1),
         parents=jnp.concatenate([draft.parents, parents], axis=1),
         frontier=(offset + best).astype(jnp.int32),
-        frontier_parent_slot=(best // k).astype(jnp.int32),
+        frontier_parent_slot=parent_slot,
+        lineage=jnp.concatenate([inherited, own], axis=2),
         expanded=(*draft.expanded, draft.frontier),
         topk=k,
     )

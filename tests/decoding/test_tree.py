@@ -43,7 +43,23 @@ def build(table_VV, root_B, prefix_B, key, *, topk, num_steps, num_draft_tokens,
         qs.append(table_VV[draft.frontier_tokens])
         draft = tr.expand(draft, qs[-1], keys[s] if sampled else None)
     tree = tr.finish(draft, root_B, prefix_B, num_draft_tokens)
-    return tree, tr.node_values(draft, tree, table_VV[root_B], qs)
+    return tree, tr.node_values(draft, tree, table_VV[root_B], qs), draft
+
+
+def check_lineage(draft: tr.TreeDraft):
+    """The drafter's mask over its tree steps' entries: frontier node k of the last step sees entry (step j, slot m)
+    iff that frontier node is k or one of its ancestors (walking candidate parents in python)."""
+    frontiers = [*map(np.asarray, draft.expanded), np.asarray(draft.frontier)]
+    parents, lineage, K = np.asarray(draft.parents), np.asarray(draft.lineage), draft.topk
+    for b in range(parents.shape[0]):
+        for k, c in enumerate(frontiers[-1][b]):
+            want = np.zeros(len(frontiers) * K, bool)
+            while c >= 0:
+                steps, slots = np.nonzero(np.stack([f[b] for f in frontiers]) == c)
+                assert len(steps) == 1, "every ancestor of a frontier node was in exactly one frontier"
+                want[steps[0] * K + slots[0]] = True
+                c = parents[b, c]
+            np.testing.assert_array_equal(lineage[b, k], want)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -104,9 +120,10 @@ def check_construction(topk, num_steps, vocab, num_draft_tokens, kind, seed):
         logits[np.arange(vocab), rng.integers(0, vocab, vocab)] = 0.0
     logp = np.minimum(np.asarray(jax.nn.log_softmax(logits, axis=-1)), 0.0)
     roots, prefix = np.asarray([0, vocab - 1], np.int32), np.asarray([3, 11], np.int32)
-    tree, _ = build(
+    tree, _, draft = build(
         logits, roots, prefix, jax.random.key(0), topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens
     )
+    check_lineage(draft)
     for b, root in enumerate(roots):
         tokens, parents, depths, scores = reference_tree(logp, int(root), topk, num_steps, num_draft_tokens)
         assert tree.tokens_BT[b].tolist() == tokens
@@ -140,7 +157,7 @@ def test_topk_1_is_the_chain():
     rng = np.random.default_rng(5)
     draft_VV, B = rng.standard_normal((V, V)).astype(np.float32), 64
     roots, prefix = rng.integers(0, V, B).astype(np.int32), rng.integers(0, 9, B).astype(np.int32)
-    tree, _ = build(draft_VV, roots, prefix, jax.random.key(0), topk=1, num_steps=4, num_draft_tokens=5)
+    tree, _, _ = build(draft_VV, roots, prefix, jax.random.key(0), topk=1, num_steps=4, num_draft_tokens=5)
     for b, root in enumerate(roots):
         chain = [int(root)]
         for _ in range(4):
@@ -205,7 +222,7 @@ def deepest_match(tokens, parents, target_at) -> int:
 def greedy_cycle(draft_VV, target_VV, root_B, prefix_B, cache, *, topk, num_steps, num_draft_tokens):
     """One greedy cycle on a token "cache" [1, B, S, 1] (what a latent cache would hold, as token ids): verify
     writes node t at slot prefix + t, the accepted path is compacted, the bonus becomes the next root."""
-    tree, _ = build(
+    tree, _, _ = build(
         draft_VV, root_B, prefix_B, jax.random.key(0), topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens
     )
     target_BT = jnp.argmax(target_VV[tree.tokens_BT], axis=-1)
@@ -286,7 +303,7 @@ def test_compact_path_moves_exactly_the_path(layout):
 def test_node_values_follow_the_expanded_nodes():
     """node_values puts each expanded node's value (here: the drafter's logits row of its token) on that node."""
     logits = np.random.default_rng(4).standard_normal((V, V)).astype(np.float32)
-    tree, values = build(
+    tree, values, _ = build(
         logits,
         np.asarray([1, 4], np.int32),
         np.zeros(2, np.int32),
@@ -322,7 +339,7 @@ def sampling_cycle(key, root_N, target_VV, draft_VV, sampling, topk, num_steps, 
     sampled = mode == "sampled"
     table_VV = warp(draft_VV, sampling) if sampled else draft_VV
     zeros_N = jnp.zeros_like(root_N)
-    tree, logq_NTV = build(table_VV, root_N, zeros_N, build_key, topk=topk, num_steps=num_steps,
+    tree, logq_NTV, _ = build(table_VV, root_N, zeros_N, build_key, topk=topk, num_steps=num_steps,
                            num_draft_tokens=num_draft_tokens, sampled=sampled)  # fmt: skip
     p_NTV = jnp.exp(warp(target_VV[tree.tokens_BT], sampling))
     q_NTV = jnp.exp(logq_NTV) if sampled else None  # leaves read exp(0): they have no children to try
@@ -398,7 +415,7 @@ def test_per_row_keys_make_rows_independent():
     swapping the two rows (keys with them) swaps the results."""
     rng = np.random.default_rng(4)
     logits = rng.standard_normal((V, V)).astype(np.float32)  # the same build as the node_values test (one compile)
-    tree, _ = build(
+    tree, _, _ = build(
         logits,
         np.asarray([1, 4], np.int32),
         np.zeros(2, np.int32),
