@@ -241,7 +241,9 @@ def greedy_rollout(target_VV, root, n) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize(("topk", "num_steps", "num_draft_tokens"), [(3, 3, 10), (2, 4, 9)])
+@pytest.mark.parametrize(
+    ("topk", "num_steps", "num_draft_tokens"), [(3, 3, 10), pytest.param(2, 4, 9, marks=pytest.mark.slow)]
+)
 def test_greedy_tree_decoding_equals_greedy_decoding(topk, num_steps, num_draft_tokens):
     """Cycles of tree draft -> verify -> greedy accept -> compact reproduce the target's greedy sequence in the cache,
     on ragged rows, and each cycle accepts the deepest matching path of its tree."""
