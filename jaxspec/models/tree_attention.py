@@ -63,14 +63,16 @@ def tree_attention(
 ) -> Softmax:
     """Softmax state of T tree queries over the cached prefix of `layer` and the fresh tokens they may see.
 
-    `block_fn` is an mla.py block function built from the queries (absorbed or expanded form), `fresh_BSK` the T
-    fresh cache entries (latent | rotated RoPE key; S = T here), `mask_BTS` the tree's ancestor-or-self mask. Cache
-    slots at or past a row's `prefix_len_B` are never read into the result (the fresh pass covers the tree).
+    `block_fn` is an mla.py block function built from the queries (absorbed or expanded form), `fresh_BSK` the S
+    fresh entries (latent | rotated RoPE key) that are not in the cache and `mask_BTS` which of them each query sees:
+    for a verify step the T tree nodes themselves (S = T) and the tree's ancestor-or-self mask; for an MLA drafter's
+    tree steps its scratch entries and `TreeDraft.lineage`. Cache slots at or past a row's `prefix_len_B` are never
+    read into the result.
     """
     B, T = mask_BTS.shape[:2]
-    if fresh_BSK.shape[:2] != (B, T) or mask_BTS.shape != (B, T, T):
+    if fresh_BSK.ndim != 3 or fresh_BSK.shape[0] != B or mask_BTS.shape != (B, T, fresh_BSK.shape[1]):
         raise ValueError(
-            f"fresh_BSK / mask_BTS: expected [B, T, K] / [B, T, T], got {fresh_BSK.shape}, {mask_BTS.shape}"
+            f"fresh_BSK / mask_BTS: expected [B, S, K] / [B, T, S], got {fresh_BSK.shape}, {mask_BTS.shape}"
         )
     with jax.named_scope("prefix"):
         # Query position prefix - 1 makes mla.py's causal mask (slot <= position) exactly "slot < prefix".

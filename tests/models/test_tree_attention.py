@@ -2,8 +2,9 @@
 latents, merged by log-sum-exp.
 
 References:
-- a dense float64 softmax over [cached prefix | fresh tokens] with the full mask, in the EXPANDED form (per-head keys
-  and values from kv_b), written here in numpy one (row, query) at a time;
+- a dense float64 softmax over [cached prefix | fresh entries] with the full mask, in the EXPANDED form (per-head keys
+  and values from kv_b), written here in numpy one (row, query) at a time; the fresh entries are a random tree's
+  nodes plus extra entries seen at random (a drafter's scratch entries);
 - mla.py's verify attention (MLA.__call__, HF-checked in test_kimi_parity.py): with a chain mask the tree path must
   equal it on the same inputs, and for a real tree node t's output must equal a chain verify of its own root-to-t path.
 Stale cache slots (at or past a row's prefix) hold huge garbage and everything past the last live block is NaN: a
@@ -112,10 +113,11 @@ def test_tree_attention_equals_dense_masked_softmax(layer, prefix, T, S):
     rng = np.random.default_rng(sum(prefix) + T)
     B, N, H = len(prefix), CFG.num_attention_heads, CFG.qk_nope_head_dim
     parents = np.stack([random_parents(rng, T) for _ in range(B)])
-    mask, _ = tree_arrays(parents)
+    # The tree's own nodes, plus 3 more fresh entries each query sees at random (as a drafter's scratch entries).
+    mask = np.concatenate([tree_arrays(parents)[0], rng.random((B, T, 3)) < 0.5], axis=2)
     q_nope = rng.standard_normal((B, T, N, H)).astype(np.float32)
     q_rope = rng.standard_normal((B, T, N, R)).astype(np.float32)
-    fresh = rng.standard_normal((B, T, CFG.latent_dim)).astype(np.float32)
+    fresh = rng.standard_normal((B, T + 3, CFG.latent_dim)).astype(np.float32)
     cache = poisoned_cache(rng, prefix, S)
     prefix_B = np.asarray(prefix, np.int32)
     out = np.asarray(_tree_core(graphdef, params, q_nope, q_rope, fresh, cache, prefix_B, mask))
@@ -125,6 +127,8 @@ def test_tree_attention_equals_dense_masked_softmax(layer, prefix, T, S):
         q_nope, q_rope, cache, fresh, prefix_B, mask, mla.kv_b_k[...], mla.kv_b_v[...], mla.softmax_scale
     )
     np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"fresh_BSK / mask_BTS: expected \[B, S, K\] / \[B, T, S\]"):
+        jax.eval_shape(partial(_tree_core, graphdef), params, q_nope, q_rope, fresh, cache, prefix_B, mask[:, :, 1:])
 
 
 @partial(jax.jit, static_argnames=("graphdef", "factor", "tree"))
