@@ -154,11 +154,11 @@ def _candidate_depths(topk: int, num_candidates: int) -> np.ndarray:
 def finish(draft: TreeDraft, root_B: jax.Array, prefix_len_B: jax.Array, num_draft_tokens: int) -> Tree:
     """Keep the `num_draft_tokens - 1` best candidates under the root token `root_B`; the tree's positions start at
     each row's prefix length (the root's position)."""
-    B, M = draft.tokens.shape
-    if not 1 <= num_draft_tokens <= M + 1:
+    B, num_cands = draft.tokens.shape
+    if not 1 <= num_draft_tokens <= num_cands + 1:
         raise ValueError(
-            f"num_draft_tokens: expected 1..{M + 1} (the root plus at most topk + (num_steps - 1) * topk**2 = {M} "
-            f"candidates for topk={draft.topk}, num_steps={draft.num_steps}), got {num_draft_tokens}"
+            f"num_draft_tokens: expected 1..{num_cands + 1} (the root plus at most topk + (num_steps - 1) * topk**2 = "
+            f"{num_cands} candidates for topk={draft.topk}, num_steps={draft.num_steps}), got {num_draft_tokens}"
         )
     if num_draft_tokens > 1:
         _, best = jax.lax.top_k(draft.scores, num_draft_tokens - 1)
@@ -171,7 +171,7 @@ def finish(draft: TreeDraft, root_B: jax.Array, prefix_len_B: jax.Array, num_dra
     parent_node = 1 + jnp.sum(place_BTS * jnp.arange(kept.shape[1], dtype=jnp.int32), axis=-1)
     root_col = lambda v, x: jnp.concatenate([jnp.full((B, 1), v, x.dtype), x], axis=1)  # noqa: E731
     parent_BT = root_col(-1, jnp.where(parent_cand < 0, 0, parent_node).astype(jnp.int32))
-    depth_BT = root_col(0, jnp.asarray(_candidate_depths(draft.topk, M))[kept])
+    depth_BT = root_col(0, jnp.asarray(_candidate_depths(draft.topk, num_cands))[kept])
     return Tree(
         tokens_BT=root_col(0, jnp.take_along_axis(draft.tokens, kept, axis=1)).at[:, 0].set(root_B),
         parent_BT=parent_BT,
@@ -218,9 +218,9 @@ def node_values(draft: TreeDraft, tree: Tree, root_value_B_: jax.Array, step_val
 def path_nodes(tree: Tree, last_B: jax.Array) -> jax.Array:
     """[B, max_depth + 1] int32: the nodes from the root to `last_B` by depth, padded with `last_B` past its depth."""
     on_path_BS = jnp.take_along_axis(tree.mask_BTS, last_B[:, None, None], axis=1)[:, 0]
-    depth_J = jnp.arange(tree.max_depth + 1, dtype=jnp.int32)
-    at_depth_BJS = on_path_BS[:, None, :] & (tree.depth_BT[:, None, :] == depth_J[:, None])
-    return jnp.where(at_depth_BJS.any(-1), jnp.argmax(at_depth_BJS, axis=-1), last_B[:, None]).astype(jnp.int32)
+    depths = jnp.arange(tree.max_depth + 1, dtype=jnp.int32)
+    at_depth = on_path_BS[:, None, :] & (tree.depth_BT[:, None, :] == depths[:, None])  # [B, path, S]
+    return jnp.where(at_depth.any(-1), jnp.argmax(at_depth, axis=-1), last_B[:, None]).astype(jnp.int32)
 
 
 def greedy_accept_tree(tree: Tree, target_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -351,10 +351,9 @@ def compact_path(
             f"path / num_accepted_B: expected [B, max_depth + 1] / [B], got {path.shape}, {num_accepted_B.shape}"
         )
     S = cache.shape[batch_axis + 1]
-    j_J = jnp.arange(path.shape[1], dtype=jnp.int32)
-    rows_BJ = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], path.shape)
-    src_BJ = prefix_len_B[:, None] + path
-    dst_BJ = jnp.where(j_J <= num_accepted_B[:, None], prefix_len_B[:, None] + j_J, S)  # S: dropped
+    j = jnp.arange(path.shape[1], dtype=jnp.int32)  # [path]
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], path.shape)
+    src = prefix_len_B[:, None] + path
+    dst = jnp.where(j <= num_accepted_B[:, None], prefix_len_B[:, None] + j, S)  # S: dropped
     lead = (slice(None),) * batch_axis
-    entries = cache[(*lead, rows_BJ, src_BJ)]
-    return cache.at[(*lead, rows_BJ, dst_BJ)].set(entries, mode="drop")
+    return cache.at[(*lead, rows, dst)].set(cache[(*lead, rows, src)], mode="drop")
