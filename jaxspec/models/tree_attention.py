@@ -1,0 +1,129 @@
+"""Tree attention for MLA: the verify step of a draft tree (jaxspec/decoding/tree.py) over the latent cache.
+
+A verify step scores the T nodes of a tree (node 0 the pending token) in one forward. Node t sits at RoPE position
+prefix + depth(t) but at cache slot prefix + t (slots must be distinct; `tree.compact_path` later moves the accepted
+path to prefix + depth). Node t must see the cached prefix (slots < prefix, its row's own length) and its own
+ancestors-or-self among the fresh tokens, nothing else: not its siblings, cousins, or the stale slots past the prefix.
+
+Two passes with the same online-softmax state as mla.py, merged by log-sum-exp:
+- prefix pass: mla.py's live-prefix blocked loop over the latent cache, every query of a row masked to slots below
+  the row's prefix length (so it reads O(live) cache bytes and never the tree's own freshly written slots);
+- fresh pass: one block over the T fresh latents with the tree's ancestor mask [B, T, T].
+Each pass yields (running max, denominator, unnormalised output); `merge_softmax` rescales both to the larger max and
+adds them, which equals one softmax over the concatenated keys. Keeping the passes separate lets the prefix pass be a
+decode kernel that returns (output, log-sum-exp) while the small masked pass stays in XLA. With a chain mask (lower
+triangular, depth = index) this is exactly mla.py's verify attention.
+
+Runs per device inside shard_map, like mla.py (N is the local head count; the output is a partial sum over heads).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import LATENT_NORM_EPS
+from jaxspec.models import rope
+from jaxspec.models.layers import rms_norm
+from jaxspec.models.mla import (
+    KV_BLOCK,
+    MLA,
+    BlockFn,
+    Softmax,
+    _online_softmax,
+    _softmax_finish,
+    _softmax_init,
+    attend_live_prefix,
+    write_cache,
+)
+from jaxspec.models.quant import einsum as ein
+
+
+def merge_softmax(a: Softmax, b: Softmax) -> Softmax:
+    """Two online-softmax states over disjoint key sets -> the state over their union (log-sum-exp merge)."""
+    m_a_BNT, l_a_BNT, acc_a = a
+    m_b_BNT, l_b_BNT, acc_b = b
+    m_BNT = jnp.maximum(m_a_BNT, m_b_BNT)
+    w_a_BNT, w_b_BNT = jnp.exp(m_a_BNT - m_BNT), jnp.exp(m_b_BNT - m_BNT)
+    to_out = lambda w_BNT: w_BNT.transpose(0, 2, 1)[..., None]  # noqa: E731  [B,N,T] -> [B,T,N,1]
+    return m_BNT, l_a_BNT * w_a_BNT + l_b_BNT * w_b_BNT, acc_a * to_out(w_a_BNT) + acc_b * to_out(w_b_BNT)
+
+
+def tree_attention(
+    block_fn: BlockFn,
+    init: Softmax,
+    fresh_BSK: jax.Array,
+    cache_LBSK: jax.Array,
+    layer: jax.Array | int,
+    prefix_len_B: jax.Array,
+    mask_BTS: jax.Array,
+    scale: float,
+    kv_block: int,
+    dtype: jnp.dtype,
+) -> Softmax:
+    """Softmax state of T tree queries over the cached prefix of `layer` and the fresh tokens they may see.
+
+    `block_fn` is an mla.py block function built from the queries (absorbed or expanded form), `fresh_BSK` the S
+    fresh entries (latent | rotated RoPE key) that are not in the cache and `mask_BTS` which of them each query sees:
+    for a verify step the T tree nodes themselves (S = T) and the tree's ancestor-or-self mask; for an MLA drafter's
+    tree steps its scratch entries and `TreeDraft.lineage`. Cache slots at or past a row's `prefix_len_B` are never
+    read into the result.
+    """
+    B, T = mask_BTS.shape[:2]
+    if fresh_BSK.ndim != 3 or fresh_BSK.shape[0] != B or mask_BTS.shape != (B, T, fresh_BSK.shape[1]):
+        raise ValueError(
+            f"fresh_BSK / mask_BTS: expected [B, S, K] / [B, T, S], got {fresh_BSK.shape}, {mask_BTS.shape}"
+        )
+    with jax.named_scope("prefix"):
+        # Query position prefix - 1 makes mla.py's causal mask (slot <= position) exactly "slot < prefix".
+        last_prefix_BT = jnp.broadcast_to((prefix_len_B - 1)[:, None], (B, T)).astype(jnp.int32)
+        prefix = attend_live_prefix(cache_LBSK, layer, last_prefix_BT, block_fn, init, scale, kv_block, dtype)
+    with jax.named_scope("fresh"):
+        fresh = _online_softmax(init, *block_fn(fresh_BSK.astype(dtype)), mask_BTS, scale)
+    return merge_softmax(prefix, fresh)
+
+
+def tree_verify_mla(
+    mla: MLA,
+    x_BTD: jax.Array,
+    cos_sin: tuple[jax.Array, jax.Array],
+    prefix_len_B: jax.Array,
+    mask_BTS: jax.Array,
+    cache_LBSK: jax.Array,
+    layer: jax.Array | int,
+    *,
+    kv_block: int = KV_BLOCK,
+) -> tuple[jax.Array, jax.Array]:
+    """One MLA layer's verify step over a tree (absorbed form): (partial output [B,T,D] fp32, updated cache).
+
+    `cos_sin` is RoPE at the tree positions (prefix + depth); the T fresh entries are written at slots prefix + t.
+    Mirrors `MLA.__call__`'s absorbed path with the causal mask replaced by the tree's.
+    """
+    cos, sin = cos_sin
+    C = mla.kv_a_norm.shape[0]
+    with jax.named_scope("q"):
+        q_nope_BTNH, q_rope_BTNR = mla._queries(x_BTD)
+        q_rope_BTNR = rope.apply_interleaved(q_rope_BTNR, cos[:, :, None], sin[:, :, None])
+    with jax.named_scope("kv_latent"):
+        latent_BTC = rms_norm(ein("BTD,DC->BTC", x_BTD, mla.kv_a_latent[...]), mla.kv_a_norm[...], LATENT_NORM_EPS)
+        k_rope_BTR = rope.apply_interleaved(ein("BTD,DR->BTR", x_BTD, mla.kv_a_rope[...]), cos, sin)
+        fresh_BTK = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
+    with jax.named_scope("attend_tree"):
+        q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, mla.kv_b_k[...])
+        slots_BT = prefix_len_B[:, None] + jnp.arange(x_BTD.shape[1], dtype=jnp.int32)
+        cache_LBSK = write_cache(cache_LBSK, layer, fresh_BTK, slots_BT)
+        # The fresh keys go through the cache dtype, as a chain verify reads them back from the cache.
+        state = tree_attention(
+            mla._absorbed_block(q_abs_BTNC, q_rope_BTNR, C),
+            _softmax_init(q_nope_BTNH, C),
+            fresh_BTK.astype(cache_LBSK.dtype),
+            cache_LBSK,
+            layer,
+            prefix_len_B,
+            mask_BTS,
+            mla.softmax_scale,
+            kv_block,
+            x_BTD.dtype,
+        )
+        out_BTNA = ein("BTNC,CNA->BTNA", _softmax_finish(state, x_BTD.dtype), mla.kv_b_v[...])
+    return ein("BTNA,NAD->BTD", out_BTNA, mla.o[...], dtype=jnp.float32), cache_LBSK
