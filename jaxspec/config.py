@@ -8,6 +8,7 @@ file; model code never hard-codes a Kimi value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -84,6 +85,13 @@ class KimiConfig:
     num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        for ok, name, msg in self._relations():
+            if not ok:
+                raise ConfigError(f"{name}: {msg}")
+
+    def _check_numbers(self) -> None:
+        """Each numeric field on its own: integers in range, finite positive floats."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.type != "int" and not (f.name == "q_lora_rank" and v is not None):
@@ -97,6 +105,9 @@ class KimiConfig:
                 raise ConfigError(f"{name}: expected a positive finite number, got {v!r}")
         if not (isinstance(self.routed_scaling_factor, int | float) and math.isfinite(self.routed_scaling_factor)):
             raise ConfigError(f"routed_scaling_factor: expected a finite number, got {self.routed_scaling_factor!r}")
+
+    def _relations(self) -> list[tuple[bool, str, str]]:
+        """(holds, field to blame, message) for every constraint between fields."""
         checks = [
             (
                 self.n_routed_experts % self.n_group == 0,
@@ -142,9 +153,7 @@ class KimiConfig:
                     f"{self.quant.num_bits}; only 4 is supported",
                 ),
             ]
-        for ok, name, msg in checks:
-            if not ok:
-                raise ConfigError(f"{name}: {msg}")
+        return checks
 
     # Derived sizes (one place, so model code never recomputes them differently).
     @property
@@ -191,57 +200,10 @@ class KimiConfig:
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> KimiConfig:
         """Build from a parsed config.json (K2.5 nested layout or the flat K2 / DeepSeek-V3 layout)."""
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"config: expected a JSON object, got {type(cfg).__name__}")
-        model_type = cfg.get("model_type")
-        top = cfg
-        if model_type in MULTIMODAL_MODEL_TYPES or "text_config" in cfg:
-            text = cfg.get("text_config")
-            if not isinstance(text, Mapping):
-                raise ConfigError(f"text_config: model_type {model_type!r} needs a nested text_config object")
-            cfg = text
-            model_type = cfg.get("model_type", "deepseek_v3")
-        if model_type not in TEXT_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type: {model_type!r} is not supported (expected one of "
-                f"{TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES})"
-            )
-
-        def req(name: str, kind: type = int) -> Any:
-            if name not in cfg or cfg[name] is None:
-                raise ConfigError(f"{name}: required field missing from config.json")
-            v = cfg[name]
-            if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ConfigError(f"{name}: expected an integer, got {v!r}")
-            if kind is float and not isinstance(v, int | float):
-                raise ConfigError(f"{name}: expected a number, got {v!r}")
-            return v
-
-        if "q_lora_rank" not in cfg:
-            # HF's DeepseekV3Config defaults it to 1536; a file without it is ambiguous, so say which is meant.
-            raise ConfigError("q_lora_rank: required field missing from config.json (an integer, or null for q_proj)")
-        q_lora_rank = None if cfg["q_lora_rank"] is None else req("q_lora_rank")
-        if cfg.get("kv_lora_rank") is None:
-            raise ConfigError("kv_lora_rank: required field missing from config.json (MLA needs a KV latent rank)")
-        heads = req("num_attention_heads")
-        if heads <= 0:
-            raise ConfigError(f"num_attention_heads: expected a positive integer, got {heads}")
-        kv_heads = cfg.get("num_key_value_heads")
-        kv_heads = heads if kv_heads is None else kv_heads
-        if kv_heads != heads:
-            raise ConfigError(f"num_key_value_heads: MLA expects {heads} (= num_attention_heads), got {kv_heads}")
-        for name, expected in (
-            ("scoring_func", "sigmoid"),
-            ("topk_method", "noaux_tc"),
-            ("hidden_act", "silu"),
-        ):
-            if cfg.get(name, expected) != expected:
-                raise ConfigError(f"{name}: only {expected!r} is supported, got {cfg[name]!r}")
-        if cfg.get("moe_layer_freq", 1) != 1:
-            raise ConfigError(f"moe_layer_freq: only 1 is supported, got {cfg['moe_layer_freq']}")
-        for name, expected in (("attention_bias", False), ("rope_interleave", True)):
-            if cfg.get(name) is not None and cfg[name] is not expected:
-                raise ConfigError(f"{name}: only {str(expected).lower()} is supported, got {cfg[name]!r}")
+        top, cfg = _text_config(cfg)
+        req = functools.partial(_required, cfg)
+        q_lora_rank, heads = _read_attention(cfg, req)
+        _check_supported(cfg)
         nextn = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
 
         rope_theta, rope_scaling = _read_rope(cfg)
@@ -306,6 +268,66 @@ class KimiConfig:
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _text_config(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """(top-level config, the text model's config): K2.5 nests the text model in `text_config`."""
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"config: expected a JSON object, got {type(cfg).__name__}")
+    model_type = cfg.get("model_type")
+    top = cfg
+    if model_type in MULTIMODAL_MODEL_TYPES or "text_config" in cfg:
+        text = cfg.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ConfigError(f"text_config: model_type {model_type!r} needs a nested text_config object")
+        cfg = text
+        model_type = cfg.get("model_type", "deepseek_v3")
+    if model_type not in TEXT_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type: {model_type!r} is not supported (expected one of {TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES})"
+        )
+    return top, cfg
+
+
+def _required(cfg: Mapping[str, Any], name: str, kind: type = int) -> Any:
+    if name not in cfg or cfg[name] is None:
+        raise ConfigError(f"{name}: required field missing from config.json")
+    v = cfg[name]
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise ConfigError(f"{name}: expected an integer, got {v!r}")
+    if kind is float and not isinstance(v, int | float):
+        raise ConfigError(f"{name}: expected a number, got {v!r}")
+    return v
+
+
+def _read_attention(cfg: Mapping[str, Any], req) -> tuple[int | None, int]:
+    """(q_lora_rank or None for a single q_proj, num_attention_heads), after MLA's own requirements."""
+    if "q_lora_rank" not in cfg:
+        # HF's DeepseekV3Config defaults it to 1536; a file without it is ambiguous, so say which is meant.
+        raise ConfigError("q_lora_rank: required field missing from config.json (an integer, or null for q_proj)")
+    q_lora_rank = None if cfg["q_lora_rank"] is None else req("q_lora_rank")
+    if cfg.get("kv_lora_rank") is None:
+        raise ConfigError("kv_lora_rank: required field missing from config.json (MLA needs a KV latent rank)")
+    heads = req("num_attention_heads")
+    if heads <= 0:
+        raise ConfigError(f"num_attention_heads: expected a positive integer, got {heads}")
+    kv_heads = cfg.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if kv_heads != heads:
+        raise ConfigError(f"num_key_value_heads: MLA expects {heads} (= num_attention_heads), got {kv_heads}")
+    return q_lora_rank, heads
+
+
+def _check_supported(cfg: Mapping[str, Any]) -> None:
+    """Fields with one supported value (the architecture's), refused by name otherwise."""
+    for name, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("hidden_act", "silu")):
+        if cfg.get(name, expected) != expected:
+            raise ConfigError(f"{name}: only {expected!r} is supported, got {cfg[name]!r}")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"moe_layer_freq: only 1 is supported, got {cfg['moe_layer_freq']}")
+    for name, expected in (("attention_bias", False), ("rope_interleave", True)):
+        if cfg.get(name) is not None and cfg[name] is not expected:
+            raise ConfigError(f"{name}: only {str(expected).lower()} is supported, got {cfg[name]!r}")
 
 
 def _read_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:

@@ -122,28 +122,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str =
     app = FastAPI(title="jaxspec", lifespan=lifespan)
     app.state.engine, app.state.chat_format = engine, chat_format
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {first.get('msg')}", "invalid_request_error")
-        msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'] if x != 'body')}: {e['msg']}" for e in exc.errors())
-        return _error(400, msg, "invalid_request_error", ".".join(loc) or None)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_request, exc: HTTPException):
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def unexpected(_request, exc: Exception):
-        log.exception("unexpected error", exc_info=exc)
-        return _error(500, f"internal error: {type(exc).__name__}", "server_error")
-
-    @app.exception_handler(_BadRequest)
-    async def bad_request(_request, exc: _BadRequest):
-        kind = "rate_limit_error" if exc.status == 429 else "invalid_request_error"
-        return _error(exc.status, str(exc), kind, exc.param, exc.code)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -172,6 +151,33 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str =
         return await _serve(engine, tokenizer, model_name, body, prompt, request, chat=True)
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style body: bad input 400, overload 429, anything unexpected 500 (logged)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"malformed JSON body: {first.get('msg')}", "invalid_request_error")
+        msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'] if x != 'body')}: {e['msg']}" for e in exc.errors())
+        return _error(400, msg, "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, exc: Exception):
+        log.exception("unexpected error", exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    @app.exception_handler(_BadRequest)
+    async def bad_request(_request, exc: _BadRequest):
+        kind = "rate_limit_error" if exc.status == 429 else "invalid_request_error"
+        return _error(exc.status, str(exc), kind, exc.param, exc.code)
 
 
 def _resolve_chat_format(tokenizer, chat_format: str) -> str:
@@ -240,7 +246,8 @@ class _Output:
         return delta
 
 
-async def _serve(engine, tokenizer, model_name, body: _Params, prompt, http: Request, chat: bool):
+def _submit(engine: Engine, model_name: str, body: _Params, prompt, chat: bool) -> tuple[EngineRequest, asyncio.Queue]:
+    """Queue the request with the engine; its updates arrive on the returned asyncio queue (from the engine thread)."""
     if body.model != model_name:
         raise _BadRequest(
             f"model {body.model!r} does not exist; this server serves {model_name!r}",
@@ -258,6 +265,11 @@ async def _serve(engine, tokenizer, model_name, body: _Params, prompt, http: Req
         raise _BadRequest(str(e), status=429, code="queue_full") from None
     except ValueError as e:
         raise _BadRequest(str(e), "prompt") from None
+    return request, updates
+
+
+async def _serve(engine, tokenizer, model_name, body: _Params, prompt, http: Request, chat: bool):
+    request, updates = _submit(engine, model_name, body, prompt, chat)
     output = _Output(tokenizer, set(engine.stop_ids) | set(body.stop_token_ids), body.stop)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
@@ -306,14 +318,18 @@ async def _serve(engine, tokenizer, model_name, body: _Params, prompt, http: Req
         return Response(status_code=499)  # nobody reads it; the request is cancelled and its slot freed
     if reason == "error":
         return _error(500, "the engine failed while running this request", "server_error")
+    return _completion(rid, created, model_name, chat, output.text, reason, usage())
+
+
+def _completion(rid: str, created: int, model_name: str, chat: bool, text: str, reason, usage) -> dict[str, Any]:
+    """The non-streaming response body (OpenAI's completion or chat.completion object)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:
-        choice["message"] = {"role": "assistant", "content": output.text}
-        kind = "chat.completion"
+        choice["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = output.text
-        kind = "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice], "usage": usage()}
+        choice["text"] = text
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice], "usage": usage}
 
 
 async def _sse(deltas, rid, created, model_name, chat, usage, include_usage) -> AsyncIterator[str]:

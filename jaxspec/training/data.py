@@ -99,6 +99,50 @@ def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _plan(cfg, prompts, max_new_tokens, temperature, seed, stop_ids, shard_size, seq_len) -> dict[str, Any]:
+    """The dataset's settings as recorded in its manifest (a rerun must match them to resume)."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "target": target_fingerprint(cfg),
+        "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": float(temperature),
+        "seed": int(seed),
+        "stop_ids": stop_ids,
+        "shard_size": shard_size,
+        "num_shards": -(-len(prompts) // shard_size),
+        "seq_len": seq_len,
+        "pad_id": PAD_ID,
+        "features": "online: captured states and target distributions are recomputed from the ids while training",
+    }
+
+
+def _open_dataset(out: Path, plan: dict[str, Any]) -> bool:
+    """Create `out` with an incomplete manifest, or check an existing one against `plan` (resume). Returns True
+    when `out` already holds the complete dataset. Removes partial writes of an interrupted run."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / MANIFEST
+    if manifest_path.is_file():
+        old = _read_json(manifest_path)
+        diff = [k for k in PLAN_FIELDS if old.get(k) != plan[k]]
+        if diff:
+            raise DatasetError(
+                f"{out}: holds a dataset made with different settings ({', '.join(diff)} differ); use another "
+                "directory or delete it"
+            )
+        if old.get("complete"):
+            return True
+    elif any(out.iterdir()):
+        raise DatasetError(f"{out}: not empty and has no {MANIFEST}; refusing to write a dataset into it")
+    else:
+        _write_json_atomic(manifest_path, {**plan, "complete": False})
+    for stale in out.glob("*.tmp*"):  # partial writes of an interrupted run
+        stale.unlink()
+    return False
+
+
 def generate_dataset(
     target,
     prompts: Sequence[Sequence[int]],
@@ -131,42 +175,11 @@ def generate_dataset(
             f"target's context of {cfg.max_position_embeddings} positions"
         )
     stop_ids = sorted(set(cfg.stop_token_ids) | {int(s) for s in stop or ()})
-    num_shards = -(-len(prompts) // shard_size)
-    plan = {
-        "format": FORMAT,
-        "version": VERSION,
-        "target": target_fingerprint(cfg),
-        "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "num_prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "temperature": float(temperature),
-        "seed": int(seed),
-        "stop_ids": stop_ids,
-        "shard_size": shard_size,
-        "num_shards": num_shards,
-        "seq_len": seq_len,
-        "pad_id": PAD_ID,
-        "features": "online: captured states and target distributions are recomputed from the ids while training",
-    }
+    plan = _plan(cfg, prompts, max_new_tokens, temperature, seed, stop_ids, shard_size, seq_len)
+    num_shards = plan["num_shards"]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest_path = out / MANIFEST
-    if manifest_path.is_file():
-        old = _read_json(manifest_path)
-        diff = [k for k in PLAN_FIELDS if old.get(k) != plan[k]]
-        if diff:
-            raise DatasetError(
-                f"{out}: holds a dataset made with different settings ({', '.join(diff)} differ); use another "
-                "directory or delete it"
-            )
-        if old.get("complete"):
-            return out
-    elif any(out.iterdir()):
-        raise DatasetError(f"{out}: not empty and has no {MANIFEST}; refusing to write a dataset into it")
-    else:
-        _write_json_atomic(manifest_path, {**plan, "complete": False})
-    for stale in out.glob("*.tmp*"):  # partial writes of an interrupted run
-        stale.unlink()
+    if _open_dataset(out, plan):
+        return out
 
     todo = [i for i in range(num_shards) if not shard_path(out, i).is_file()]
     done = len(prompts) - sum(len(prompts[i * shard_size : (i + 1) * shard_size]) for i in todo)
@@ -188,7 +201,7 @@ def generate_dataset(
             bar.update(len(batch))
 
     stats = dataset_stats(out, num_shards)
-    _write_json_atomic(manifest_path, {**plan, **stats, "complete": True})
+    _write_json_atomic(out / MANIFEST, {**plan, **stats, "complete": True})
     return out
 
 
