@@ -25,35 +25,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 BEFORE = "88d07ae"
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _git_show(path: str) -> str:
-    return subprocess.run(
-        ["git", "show", f"{BEFORE}:{path}"], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout
 
 
 def load_before_model():
     """The KimiModel class of commit BEFORE (its kimi.py driving its mla.py), accepting and ignoring kv_block."""
     from flax import nnx
+    from history import module_at
 
-    mla = types.ModuleType("_before_mla")
-    mla.__file__ = f"{BEFORE}:jaxspec/models/mla.py"
-    sys.modules[mla.__name__] = mla
-    exec(compile(_git_show("jaxspec/models/mla.py"), mla.__file__, "exec"), mla.__dict__)
-    kimi_src = _git_show("jaxspec/models/kimi.py").replace("from jaxspec.models.mla import", "from _before_mla import")
-    kimi = types.ModuleType("_before_kimi")
-    kimi.__file__ = f"{BEFORE}:jaxspec/models/kimi.py"
-    sys.modules[kimi.__name__] = kimi
-    exec(compile(kimi_src, kimi.__file__, "exec"), kimi.__dict__)
+    module_at(BEFORE, "jaxspec/models/mla.py", "_before_mla")
+    replace = {"from jaxspec.models.mla import": "from _before_mla import"}
+    kimi = module_at(BEFORE, "jaxspec/models/kimi.py", "_before_kimi", replace=replace)
 
     class BeforeKimiModel(kimi.KimiModel):
         def __call__(self, *args, kv_block: int | None = None, **kwargs):

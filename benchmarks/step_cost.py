@@ -19,9 +19,7 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import time
-import types
 from pathlib import Path
 
 from sharding.cpu import simulate_cpu_devices
@@ -86,11 +84,9 @@ def random_target(cfg, mesh, dtype=None):
 
 def load_before():
     """routed_experts of commit BEFORE_COMMIT, from git history."""
-    text = subprocess.run(
-        ["git", "show", f"{BEFORE_COMMIT}:jaxspec/models/moe.py"], capture_output=True, text=True, check=True
-    ).stdout
-    module = types.ModuleType("moe_before")
-    exec(compile(text, f"{BEFORE_COMMIT}:jaxspec/models/moe.py", "exec"), module.__dict__)
+    from history import module_at
+
+    module = module_at(BEFORE_COMMIT, "jaxspec/models/moe.py", "_moe_before")
     import jax
 
     from jaxspec.models.moe import LayerSlice
