@@ -71,7 +71,7 @@ def default_backend() -> Backend | None:
 
 
 def _dequant_dot(x_even, x_odd, packed, scale, group_size: int) -> jax.Array:
-    """x_even @ lo + x_odd @ hi in fp32, where lo/hi are bf16(q * scale) of the two nibbles of `packed` [I/2, O]."""
+    """x_even @ lo + x_odd @ hi in fp32, where lo/hi are bf16(q * scale) of the two nibbles of `packed` [in/2, out]."""
     half, o = packed.shape
     p = packed.astype(jnp.int32)
     s = scale.astype(jnp.float32)[:, None, :]  # one scale per group_size/2 packed rows
