@@ -221,10 +221,10 @@ def generate(
         "reached": reached.tolist(),
         "accepted": accepted.tolist(),
         "acceptance_rate": (accepted / np.maximum(reached, 1)).tolist(),
-        "accepted_length_histogram": np.asarray(state.accept_hist_A).tolist(),
+        "accepted_length_histogram": np.asarray(state.accept_hist_T).tolist(),
         "mean_accepted_length": float(
-            (np.asarray(state.accept_hist_A) * np.arange(num_steps + 1)).sum()
-            / max(np.asarray(state.accept_hist_A).sum(), 1)
+            (np.asarray(state.accept_hist_T) * np.arange(num_steps + 1)).sum()
+            / max(np.asarray(state.accept_hist_T).sum(), 1)
             + 1
         ),
         "seconds": seconds,

@@ -36,7 +36,7 @@ from jaxspec.decoding.spec_loop import LoopConfig, LoopState, SpecLoop
 
 log = logging.getLogger("jaxspec.serving")
 
-MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own), the width K of LoopState.stop_BK
+MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own), the width of LoopState.stop_ids
 
 
 class QueueFull(RuntimeError):
@@ -286,9 +286,9 @@ class Engine:
             cycles=put(np.zeros((), np.int32)),
             reached_J=put(np.zeros((J,), np.int32)),
             accepted_J=put(np.zeros((J,), np.int32)),
-            accept_hist_A=put(np.zeros((J + 1,), np.int32)),
+            accept_hist_T=put(np.zeros((J + 1,), np.int32)),
             row_sampling=jax.tree.map(put, RowSampling.of([Sampling()] * B)),
-            stop_BK=put(np.full((B, MAX_STOP_IDS), -1, np.int32)),
+            stop_ids=put(np.full((B, MAX_STOP_IDS), -1, np.int32)),
         )
 
     def _apply_cancels(self) -> None:
@@ -396,7 +396,7 @@ class Engine:
 
     def _read_counters(self) -> None:
         s = self.state
-        counters = tuple(np.asarray(x) for x in (s.cycles, s.reached_J, s.accepted_J, s.accept_hist_A))
+        counters = tuple(np.asarray(x) for x in (s.cycles, s.reached_J, s.accepted_J, s.accept_hist_T))
         if self.metrics is not None and self._counters is not None:
             self.metrics.observe_cycles(*(new - old for new, old in zip(counters, self._counters, strict=True)))
         self._counters = counters
@@ -444,11 +444,11 @@ def _admit(state: LoopState, slot, tokens_S, prompt_len, max_new, temperature, t
         row_sampling=RowSampling(
             set_(rows.temperature_B, temperature), set_(rows.top_k_B, top_k), set_(rows.top_p_B, top_p)
         ),
-        stop_BK=set_(state.stop_BK, stop_K),
+        stop_ids=set_(state.stop_ids, stop_K),
     )
 
 
-_NOT_PER_ROW = ("cycles", "reached_J", "accepted_J", "accept_hist_A")
+_NOT_PER_ROW = ("cycles", "reached_J", "accepted_J", "accept_hist_T")
 
 
 def _row_axis(name: str) -> int | None:
