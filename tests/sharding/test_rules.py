@@ -25,9 +25,9 @@ def test_model_axis_is_the_one_axis_of_the_split_dims():
         _ = ShardingRules(vocab=None, heads=None, experts=None, mlp=None).model_axis
 
 
-def _logits(rules: ShardingRules, mesh) -> np.ndarray:
+def _logits(params, rules: ShardingRules, mesh) -> np.ndarray:
     """The per-device forward in a shard_map whose weights are split as `rules` say."""
-    graphdef, params = nnx.split(KimiModel(CFG, dtype=jnp.float32, rules=rules, rngs=nnx.Rngs(0)))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: KimiModel(CFG, dtype=jnp.float32, rules=rules, rngs=nnx.Rngs(0))))
     specs = Target.param_specs(params, rules)
     params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     pos = np.broadcast_to(np.arange(TOKENS.shape[1], dtype=np.int32), TOKENS.shape)
@@ -40,7 +40,8 @@ def _logits(rules: ShardingRules, mesh) -> np.ndarray:
 def test_model_reduces_over_the_axis_the_rules_name():
     """Heads, experts, MLP and vocabulary split over "data" instead of "model": the same logits. (Psums and
     axis_index over a hard-coded "model" axis, of size 1 here, would read the wrong embedding rows and drop terms.)"""
-    ref = _logits(DEFAULT_RULES, make_mesh((1, 2), jax.devices()[:2]))
+    params = nnx.state(KimiModel(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    ref = _logits(params, DEFAULT_RULES, make_mesh((1, 2), jax.devices()[:2]))
     swapped = ShardingRules(batch=None, vocab=DATA, heads=DATA, experts=DATA, mlp=DATA)
-    got = _logits(swapped, make_mesh((2, 1), jax.devices()[:2]))
+    got = _logits(params, swapped, make_mesh((2, 1), jax.devices()[:2]))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
