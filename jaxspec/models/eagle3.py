@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import ConfigError, KimiConfig, RopeScaling, _read_rope
+from jaxspec.config import ConfigError, KimiConfig, RopeScaling, read_rope
 from jaxspec.models import rope
 from jaxspec.models.kimi import embed_lookup
 from jaxspec.models.layers import NEG_INF, ones, param, rms_norm, swiglu
@@ -258,7 +258,7 @@ def _read_mla(layer: Mapping[str, Any], target: KimiConfig, D: int, N: int, prob
     if kv_heads != N:
         problems.append(f"num_key_value_heads: MLA expects {N} (= num_attention_heads), got {kv_heads}")
     try:
-        theta, scaling = _read_rope(layer)
+        theta, scaling = read_rope(layer)
         return target.replace(
             hidden_size=D,
             num_attention_heads=N,
@@ -371,7 +371,7 @@ def _read_draft_rope(layer: Mapping[str, Any]) -> DraftRope:
             original_max_position_embeddings=int(orig),
         )
     if kind == "yarn":
-        _, yarn = _read_rope(
+        _, yarn = read_rope(
             {"rope_theta": theta, "rope_scaling": {**scaling, "original_max_position_embeddings": orig}}
         )
         return DraftRope(theta, "yarn", yarn=yarn)
