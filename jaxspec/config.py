@@ -206,7 +206,7 @@ class KimiConfig:
         _check_supported(cfg)
         nextn = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
 
-        rope_theta, rope_scaling = _read_rope(cfg)
+        rope_theta, rope_scaling = read_rope(cfg)
         quant = _read_quant(cfg.get("quantization_config") or top.get("quantization_config"))
 
         def top_or_text(name: str) -> Any:
@@ -330,7 +330,8 @@ def _check_supported(cfg: Mapping[str, Any]) -> None:
             raise ConfigError(f"{name}: only {str(expected).lower()} is supported, got {cfg[name]!r}")
 
 
-def _read_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def read_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, its RopeScaling or None) from a config's RoPE fields (also the drafter's, `models/eagle3.py`)."""
     # Hub files: top-level rope_theta + rope_scaling. transformers>=5 writes rope_parameters with theta inside.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {}) or params

@@ -28,6 +28,18 @@ class ShardingRules:
     kv_lora: str | None = None
     layers: str | None = None
 
+    @property
+    def model_axis(self) -> str:
+        """The mesh axis of tensor/expert parallelism: the one axis that vocab, heads, experts and mlp are split over,
+        and the axis the model code reduces over (psum, axis_index) inside shard_map."""
+        axes = {a for a in (self.vocab, self.heads, self.experts, self.mlp) if a is not None}
+        if len(axes) != 1:
+            raise ValueError(
+                "sharding rules: vocab, heads, experts and mlp must map to one mesh axis (or None), and at least one "
+                f"to an axis (the model code reduces over it); got {sorted(axes)}"
+            )
+        return axes.pop()
+
     def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
         """PartitionSpec for an array with these logical axes; refuses a mesh axis used twice."""
         mesh_axes = []

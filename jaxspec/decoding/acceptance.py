@@ -58,11 +58,11 @@ def speculative_accept(
     row = num_accepted_B[:, None, None]
     p_BV = jnp.take_along_axis(p_BTV, row, axis=1)[:, 0]
     q_BV = jnp.take_along_axis(q_BJV, row, axis=1, mode="fill", fill_value=0)[:, 0]
-    next_token_B = jax.random.categorical(resample_key, jnp.log(_residual(p_BV, q_BV)), axis=-1)
+    next_token_B = jax.random.categorical(resample_key, jnp.log(residual_distribution(p_BV, q_BV)), axis=-1)
     return num_accepted_B, next_token_B.astype(jnp.int32)
 
 
-def _residual(p_BV: jax.Array, q_BV: jax.Array) -> jax.Array:
+def residual_distribution(p_BV: jax.Array, q_BV: jax.Array) -> jax.Array:
     """max(0, p - q), unnormalised (the sampler takes unnormalised logits); p where that is all zero.
 
     It is all zero only when p == q, where a rejection has probability 0 anyway: the fallback just keeps a row of

@@ -272,7 +272,7 @@ def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:
 
 def _stats(state, out: list[list[int]], num_steps: int, seconds: float) -> dict[str, Any]:
     reached, accepted = np.asarray(state.reached_J), np.asarray(state.accepted_J)
-    hist = np.asarray(state.accept_hist_A)
+    hist = np.asarray(state.accept_hist_T)
     new_tokens = sum(len(t) for t in out)
     return {
         "cycles": int(state.cycles),

@@ -25,12 +25,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
 from jaxspec.decoding.sampling import RowSampling, Sampling, sample, sample_rows, warp, warp_rows
 from jaxspec.models.eagle3 import concat_captured
+from jaxspec.runtime import Drafter, Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class LoopState:
     end_B: jax.Array  # int32: exclusive end of the generated tokens (length + 1 while running)
     max_new_B: jax.Array  # int32: generation budget per sequence
     done_B: jax.Array  # bool: stopped, out of budget, or a padding row
-    target_cache: jax.Array  # [L, B, S, latent] target latent KV cache
+    target_cache: jax.Array  # [L, B, S, Y] target latent KV cache
     draft_cache: Any  # drafter (k, v) cache, or None when J = 0
     draft_B: jax.Array  # int32 (target ids): the next cycle's first draft token
     draft_q_BV: jax.Array  # float32 [B, V]: its draft distribution over the target vocabulary ([B, 1] when unused)
@@ -63,67 +63,48 @@ class LoopState:
     cycles: jax.Array  # int32 scalar
     reached_J: jax.Array  # int32 [J]: how often draft position j+1 was verified (all before it accepted)
     accepted_J: jax.Array  # int32 [J]: how often it was accepted
-    accept_hist_A: jax.Array  # int32 [J+1]: cycles that accepted exactly a draft tokens
-    # Per-row requests (LoopConfig.sampling None): sampling settings, stop ids [B, K] (-1 = none); `key` is then
-    # one key per row [B], so a row's random draws depend only on its own seed and history.
+    accept_hist_T: jax.Array  # int32 [J+1] (= a verify step's T): cycles that accepted exactly t draft tokens
+    # Per-row requests (LoopConfig.sampling None): sampling settings, and each row's own stop token ids (int32
+    # [B, max stop ids], -1 = none); `key` is then one key per row [B], so a row's random draws depend only on its
+    # own seed and history.
     row_sampling: RowSampling | None = None
-    stop_BK: jax.Array | None = None
+    stop_ids: jax.Array | None = None
 
 
 class SpecLoop:
-    """Compiled prefill and cycle loop for one (target, drafter) pair; counts its traces (= compiles)."""
+    """Compiled prefill and cycle loop for one (target, drafter) pair; counts its traces (= compiles).
 
-    def __init__(self, target, drafter=None):
+    The loop composes the phase functions below (`target_forward`, `draft_step`, `draft_extend`, `accept_commit`,
+    `count_acceptance`); `jaxspec.profiling.timing` times the same functions one by one."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None):
         self.target, self.drafter = target, drafter
         self.traces = 0
         self.prefill = jax.jit(self._prefill_impl, static_argnums=0, donate_argnums=(3, 4))
         self.run = jax.jit(self._run_impl, static_argnums=0, donate_argnums=3)
         self.prefill_slot = jax.jit(self._prefill_slot_impl, static_argnums=0, donate_argnums=3)
 
-    # ------------------------------------------------------------------ helpers (traced)
-    def _replicated(self, x):
-        return jax.sharding.reshard(x, NamedSharding(self.target.mesh, P()))
+    def _uses_drafter(self, cfg: LoopConfig) -> bool:
+        return self.drafter is not None and cfg.num_steps > 0
 
     def _target_step(self, tparams, tokens_BT, pos_BT, cache, cfg: LoopConfig):
         """Target forward; returns (ids [B,T] if greedy else logits [B,T,V], cache, captured [X,B,T,D])."""
-        capture = self.drafter.capture_layers if (self.drafter is not None and cfg.num_steps) else ()
-        head = "argmax" if _greedy(cfg) else "logits"
-        out, cache, captured = self.target.apply(tparams, tokens_BT, pos_BT, cache, capture=capture, head=head)
-        return self._replicated(out), cache, captured
-
-    def _choose_target(self, key, out_BV, sampling: Sampling):
-        """A token from the target's output at one position (ids if greedy, else logits)."""
-        return out_BV if sampling.greedy else _sample(key, out_BV, sampling)
-
-    def _draft_choose(self, key, logits_BU, sampling: Sampling):
-        """Draft token (target ids) and its distribution over the target vocabulary (sampling only)."""
-        drafter = self.drafter
-        logits_BU = self._replicated(logits_BU)
-        draft_U = _sample(key, logits_BU, sampling)
-        ids_B = drafter.to_target_ids(draft_U)
-        if sampling.greedy:
-            return ids_B, jnp.zeros((ids_B.shape[0], 1), jnp.float32)
-        q_BU = jnp.exp(_warp(logits_BU, sampling))
-        vocab = self.target.vocab_size
-        if drafter.d2t is None:
-            return ids_B, q_BU
-        where_U = drafter.to_target_ids(jnp.arange(q_BU.shape[-1], dtype=jnp.int32))
-        return ids_B, jnp.zeros((q_BU.shape[0], vocab), jnp.float32).at[:, where_U].set(q_BU)
+        capture = self.drafter.capture_layers if self._uses_drafter(cfg) else ()
+        return target_forward(self.target, tparams, tokens_BT, pos_BT, cache, capture=capture, greedy=_greedy(cfg))
 
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, cfg: LoopConfig, tparams, dparams, target_cache, draft_cache, state_in):
         """Process the prompts in chunks; emit each sequence's first token and the drafter's first draft."""
         self.traces += 1
         tokens_BS, prompt_len_B, key = state_in["tokens_BS"], state_in["prompt_len_B"], state_in["key"]
-        B, S = tokens_BS.shape
-        C, J = cfg.prefill_chunk, cfg.num_steps
-        n_chunks = cfg.prompt_bucket // C
-        use_drafter = self.drafter is not None and J > 0
+        B = tokens_BS.shape[0]
+        chunk, J = cfg.prefill_chunk, cfg.num_steps
+        use_drafter = self._uses_drafter(cfg)
         D = self.drafter.config.hidden_size if use_drafter else 1
         V = self.target.vocab_size if not _greedy(cfg) and use_drafter else 1
 
-        def chunk(carry, c):
-            return self._prefill_chunk(cfg, cfg.sampling, tparams, dparams, carry, c * C, prompt_len_B), None
+        def body(carry, c):
+            return self._prefill_chunk(cfg, cfg.sampling, tparams, dparams, carry, c * chunk, prompt_len_B), None
 
         hidden_dtype = self.drafter.dtype if use_drafter else jnp.float32
         carry = (
@@ -135,7 +116,7 @@ class SpecLoop:
             jnp.zeros((B, D), hidden_dtype),
             key,
         )
-        carry, _ = jax.lax.scan(chunk, carry, jnp.arange(n_chunks, dtype=jnp.int32))
+        carry, _ = jax.lax.scan(body, carry, jnp.arange(cfg.prompt_bucket // chunk, dtype=jnp.int32))
         tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
         first_B = jnp.take_along_axis(tokens_BS, prompt_len_B[:, None], axis=1)[:, 0]
         max_new_B = state_in["max_new_B"]
@@ -156,16 +137,15 @@ class SpecLoop:
             cycles=jnp.zeros((), jnp.int32),
             reached_J=jnp.zeros((J,), jnp.int32),
             accepted_J=jnp.zeros((J,), jnp.int32),
-            accept_hist_A=jnp.zeros((J + 1,), jnp.int32),
+            accept_hist_T=jnp.zeros((J + 1,), jnp.int32),
         )
 
     def _prefill_slot_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, slot, start) -> LoopState:
-        """One prefill chunk (positions start..start+C) of row `slot` of a per-row state (LoopConfig.sampling None),
-        for the serving engine: every other row keeps its state. The row must be admitted (tokens, prompt_len,
+        """One prefill chunk (positions start..start+chunk) of row `slot` of a per-row state (LoopConfig.sampling
+        None), for the serving engine: every other row keeps its state. The row must be admitted (tokens, prompt_len,
         sampling, stop ids, key set) and done (so cycles skip it) while its chunks run in order; the chunk holding
         its last prompt position sets its first token and draft, and makes it active unless that token ends it."""
         self.traces += 1
-        C = cfg.prefill_chunk
         row = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis)  # noqa: E731
         put = lambda x, new, axis=0: jax.lax.dynamic_update_slice_in_dim(x, new, slot, axis=axis)  # noqa: E731
         dcache = None if state.draft_cache is None else tuple(row(c) for c in state.draft_cache)
@@ -177,8 +157,8 @@ class SpecLoop:
             cfg, sampling, tparams, dparams, carry, start, prompt_len
         )
         first = jnp.take_along_axis(tokens, prompt_len[:, None], axis=1)[:, 0]
-        ends = _is_stop(first, cfg, row(state.stop_BK)) | (row(state.max_new_B) <= 1)
-        done = jnp.where(prompt_len - 1 < start + C, ends, True)
+        ends = _is_stop(first, cfg, row(state.stop_ids)) | (row(state.max_new_B) <= 1)
+        done = jnp.where(prompt_len - 1 < start + cfg.prefill_chunk, ends, True)
         if dcache is not None:
             dcache = tuple(put(c, n) for c, n in zip(state.draft_cache, dcache, strict=True))
         return state.replace(
@@ -193,34 +173,32 @@ class SpecLoop:
         )
 
     def _prefill_chunk(self, cfg: LoopConfig, sampling, tparams, dparams, carry, start, prompt_len_B):
-        """Prompt positions start..start+C of every row into the caches. A row whose last prompt position falls in
-        this chunk gets its first generated token, its first draft (and q) and the drafter's hidden state."""
+        """Prompt positions start..start+chunk of every row into the caches. A row whose last prompt position falls
+        in this chunk gets its first generated token, its first draft (and q) and the drafter's hidden state."""
         tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
         B, S = tokens_BS.shape
-        C = cfg.prefill_chunk
+        chunk = cfg.prefill_chunk
         last_B = prompt_len_B - 1
-        pos_BT = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
-        chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, C, axis=1)
+        pos_BT = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, chunk, axis=1)
         out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, tcache, cfg)
         # The first generated token comes from the last prompt position, if it falls in this chunk.
         key, k1, k2 = _split(key, 3)
-        in_chunk_B = (last_B >= start) & (last_B < start + C)
-        row_B = jnp.clip(last_B - start, 0, C - 1)
+        in_chunk_B = (last_B >= start) & (last_B < start + chunk)
+        row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
-        first_B = self._choose_target(k1, out_B, sampling)
+        first_B = _choose_target(k1, out_B, sampling)
         at_first_BS = in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None])
         tokens_BS = jnp.where(at_first_BS, first_B[:, None], tokens_BS)
-        if self.drafter is not None and cfg.num_steps > 0:
+        if self._uses_drafter(cfg):
             # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
-            next_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start + 1, C, axis=1)
-            logits, h2, dcache = self.drafter.apply(
-                dparams, next_BT, concat_captured(captured), pos_BT, dcache, first_step=True
+            next_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start + 1, chunk, axis=1)
+            d_B, dq_BV, h2_BD, dcache = draft_extend(
+                self.drafter, dparams, next_BT, concat_captured(captured), pos_BT, dcache, row_B, k2, sampling
             )
-            pick = lambda x: jnp.take_along_axis(self._replicated(x), row_B[:, None, None], axis=1)[:, 0]  # noqa: E731
-            d_B, dq_BV = self._draft_choose(k2, pick(logits), sampling)
             draft_B = jnp.where(in_chunk_B, d_B, draft_B)
             q_BV = jnp.where(in_chunk_B[:, None], dq_BV, q_BV)
-            hidden_BD = jnp.where(in_chunk_B[:, None], pick(h2).astype(hidden_BD.dtype), hidden_BD)
+            hidden_BD = jnp.where(in_chunk_B[:, None], h2_BD.astype(hidden_BD.dtype), hidden_BD)
         return tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key
 
     # ------------------------------------------------------------------ the cycle loop
@@ -236,7 +214,7 @@ class SpecLoop:
 
     def _cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:
         J, sampling = cfg.num_steps, _sampling(cfg, s)
-        B, S = s.tokens_BS.shape
+        B = s.tokens_BS.shape[0]
         n_B = s.length_B
         key, draft_key, accept_key, extend_key = _split(s.key, 4)
         pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
@@ -246,11 +224,9 @@ class SpecLoop:
         dcache, token_B, hidden_BD = s.draft_cache, s.draft_B, s.hidden_BD
         for j, k in enumerate(_split(draft_key, max(J - 1, 1))[: J - 1], start=1):
             pos_BT = (n_B + j - 1)[:, None]  # drafter position of d_j (= target position of its predecessor)
-            logits, h2, dcache = self.drafter.apply(
-                dparams, token_B[:, None], hidden_BD[:, None], pos_BT, dcache, first_step=False
+            token_B, q_BV, hidden_BD, dcache = draft_step(
+                self.drafter, dparams, token_B, hidden_BD, pos_BT, dcache, k, sampling
             )
-            token_B, q_BV = self._draft_choose(k, logits[:, 0], sampling)
-            hidden_BD = self._replicated(h2)[:, 0]
             drafts.append(token_B)
             qs.append(q_BV)
         draft_BJ = jnp.stack(drafts[:J], axis=1) if J else jnp.zeros((B, 0), jnp.int32)
@@ -261,19 +237,25 @@ class SpecLoop:
         out, tcache, captured = self._target_step(tparams, verify_BT, pos_BT, s.target_cache, cfg)
 
         # 3-4. accept and commit
-        accepted_B, emitted_BT, active_B, committed = self._accept_commit(cfg, s, draft_BJ, qs, out, accept_key)
+        accepted_B, emitted_BT, active_B, committed = accept_commit(cfg, s, draft_BJ, qs, out, accept_key)
 
         # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
         draft_B, q_BV, hidden_BD = s.draft_B, s.draft_q_BV, s.hidden_BD
         if J:
-            logits, h2, dcache = self.drafter.apply(
-                dparams, emitted_BT, concat_captured(captured), pos_BT, dcache, first_step=True
+            new_draft_B, new_q_BV, h2_BD, dcache = draft_extend(
+                self.drafter,
+                dparams,
+                emitted_BT,
+                concat_captured(captured),
+                pos_BT,
+                dcache,
+                accepted_B,
+                extend_key,
+                sampling,
             )
-            pick = lambda x: jnp.take_along_axis(self._replicated(x), accepted_B[:, None, None], axis=1)[:, 0]  # noqa: E731
-            new_draft_B, new_q_BV = self._draft_choose(extend_key, pick(logits), sampling)
             draft_B = jnp.where(active_B, new_draft_B, s.draft_B)
             q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
-            hidden_BD = jnp.where(active_B[:, None], pick(h2).astype(s.hidden_BD.dtype), s.hidden_BD)
+            hidden_BD = jnp.where(active_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD)
 
         if key.ndim:  # per-row keys advance only on the row's own cycles: its draws never depend on the batch
             key = jnp.where(active_B, key, s.key)
@@ -285,54 +267,108 @@ class SpecLoop:
             draft_q_BV=q_BV,
             hidden_BD=hidden_BD,
             key=key,
-            **self._count(J, s, accepted_B, active_B),
+            **count_acceptance(J, s, accepted_B, active_B),
         )
 
-    def _accept_commit(self, cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
-        """Steps 3-4 of a cycle: accept a prefix of the drafts against the target's output `out` (ids if greedy, else
-        logits) and commit it. Returns (accepted_B, emitted_BT, active_B, `s` with tokens/end/length/done updated)."""
-        J, sampling = cfg.num_steps, _sampling(cfg, s)
-        B = s.tokens_BS.shape[0]
-        n_B = s.length_B
-        # 3. accept
-        if sampling.greedy:
-            accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
-        else:
-            p_BTV = jnp.exp(_warp(out, sampling))
-            q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
-            accepted_B, next_B = _speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
 
-        # 4. commit: emitted tokens are d_1..d_a then the bonus; cut at the first stop id and at the budget
-        idx_T = jnp.arange(J + 1, dtype=jnp.int32)
-        emitted_BT = jnp.where(idx_T < accepted_B[:, None], jnp.pad(draft_BJ, ((0, 0), (0, 1))), next_B[:, None])
-        stop_BT = _is_stop(emitted_BT, cfg, s.stop_BK) & (idx_T <= accepted_B[:, None])
-        first_stop_B = jnp.where(stop_BT.any(1), jnp.argmax(stop_BT, axis=1), J + 1)
-        budget_B = s.max_new_B - (s.end_B - s.prompt_len_B)
-        keep_B = jnp.minimum(jnp.minimum(accepted_B + 1, first_stop_B + 1), budget_B)
-        write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)  # noqa: E731
-        active_B = ~s.done_B
-        tokens_BS = jnp.where(active_B[:, None], jax.vmap(write)(s.tokens_BS, emitted_BT, n_B + 1), s.tokens_BS)
-        end_B = jnp.where(active_B, s.end_B + keep_B, s.end_B)
-        length_B = jnp.where(active_B, n_B + accepted_B + 1, n_B)
-        done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
-        return (
-            accepted_B,
-            emitted_BT,
-            active_B,
-            s.replace(tokens_BS=tokens_BS, end_B=end_B, length_B=length_B, done_B=done_B),
-        )
+# ---------------------------------------------------------------------- the phases of a cycle (traced)
+def replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """`x` on every device of `mesh` (token choices and bookkeeping run replicated)."""
+    return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
 
-    @staticmethod
-    def _count(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:
-        """Step 6: per-position reached/accepted counters and the accepted-length histogram, over active rows."""
-        idx_J = jnp.arange(J, dtype=jnp.int32)
-        count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)  # noqa: E731
-        return {
-            "cycles": s.cycles + 1,
-            "reached_J": s.reached_J + count(accepted_B[:, None] >= idx_J),
-            "accepted_J": s.accepted_J + count(accepted_B[:, None] > idx_J),
-            "accept_hist_A": s.accept_hist_A + count(accepted_B[:, None] == jnp.arange(J + 1)),
-        }
+
+def target_forward(target: Target, tparams, tokens_BT, pos_BT, cache, *, capture: tuple[int, ...] = (), greedy: bool):
+    """Verify (also prefill and plain decode): the target over T tokens. Returns (ids [B,T] if `greedy` else logits
+    [B,T,V], replicated; the updated cache; the captured states [X,B,T,D] of `capture`)."""
+    head = "argmax" if greedy else "logits"
+    out, cache, captured = target.apply(tparams, tokens_BT, pos_BT, cache, capture=capture, head=head)
+    return replicate(out, target.mesh), cache, captured
+
+
+def choose_draft(drafter: Drafter, key, logits_BU, sampling: Sampling | RowSampling):
+    """Draft token (target ids) [B] and its distribution over the target vocabulary [B, V] (sampling only; [B, 1]
+    zeros when greedy)."""
+    target = drafter.target
+    logits_BU = replicate(logits_BU, target.mesh)
+    draft_U = _sample(key, logits_BU, sampling)
+    ids_B = drafter.to_target_ids(draft_U)
+    if sampling.greedy:
+        return ids_B, jnp.zeros((ids_B.shape[0], 1), jnp.float32)
+    q_BU = jnp.exp(_warp(logits_BU, sampling))
+    vocab = target.vocab_size
+    if drafter.d2t is None:
+        return ids_B, q_BU
+    where_U = drafter.to_target_ids(jnp.arange(q_BU.shape[-1], dtype=jnp.int32))
+    return ids_B, jnp.zeros((q_BU.shape[0], vocab), jnp.float32).at[:, where_U].set(q_BU)
+
+
+def draft_step(drafter: Drafter, dparams, token_B, hidden_BD, pos_BT, cache, key, sampling):
+    """Draft: one drafter step from the previous step's h2 at position `pos_BT` [B, 1]. Returns (draft token [B],
+    its distribution (see `choose_draft`), this step's h2 [B, D] (replicated), the updated drafter cache)."""
+    logits, h2, cache = drafter.apply(dparams, token_B[:, None], hidden_BD[:, None], pos_BT, cache, first_step=False)
+    token_B, q_BV = choose_draft(drafter, key, logits[:, 0], sampling)
+    return token_B, q_BV, replicate(h2, drafter.target.mesh)[:, 0], cache
+
+
+def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling):
+    """Draft-extend (and the prefill's draft): the drafter's first step over T tokens with the captured target states
+    `aux_BTI`, writing its cache; at each sequence's row `row_B` the next draft token and distribution (see
+    `choose_draft`) and its h2 [B, D]. Returns (draft [B], q, h2 [B, D], the updated drafter cache)."""
+    logits, h2, cache = drafter.apply(dparams, tokens_BT, aux_BTI, pos_BT, cache, first_step=True)
+    mesh = drafter.target.mesh
+    pick = lambda x: jnp.take_along_axis(replicate(x, mesh), row_B[:, None, None], axis=1)[:, 0]  # noqa: E731
+    draft_B, q_BV = choose_draft(drafter, key, pick(logits), sampling)
+    return draft_B, q_BV, pick(h2), cache
+
+
+def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
+    """Steps 3-4 of a cycle: accept a prefix of the drafts against the target's output `out` (ids if greedy, else
+    logits; `qs` the drafts' distributions when sampling) and commit it. Returns (accepted_B, emitted_BT, active_B,
+    `s` with tokens/end/length/done updated)."""
+    J, sampling = cfg.num_steps, _sampling(cfg, s)
+    B = s.tokens_BS.shape[0]
+    n_B = s.length_B
+    # 3. accept
+    if sampling.greedy:
+        accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
+    else:
+        p_BTV = jnp.exp(_warp(out, sampling))
+        q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
+        accepted_B, next_B = _speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
+
+    # 4. commit: emitted tokens are d_1..d_a then the bonus; cut at the first stop id and at the budget
+    idx_T = jnp.arange(J + 1, dtype=jnp.int32)
+    emitted_BT = jnp.where(idx_T < accepted_B[:, None], jnp.pad(draft_BJ, ((0, 0), (0, 1))), next_B[:, None])
+    stop_BT = _is_stop(emitted_BT, cfg, s.stop_ids) & (idx_T <= accepted_B[:, None])
+    first_stop_B = jnp.where(stop_BT.any(1), jnp.argmax(stop_BT, axis=1), J + 1)
+    budget_B = s.max_new_B - (s.end_B - s.prompt_len_B)
+    keep_B = jnp.minimum(jnp.minimum(accepted_B + 1, first_stop_B + 1), budget_B)
+    write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)  # noqa: E731
+    active_B = ~s.done_B
+    tokens_BS = jnp.where(active_B[:, None], jax.vmap(write)(s.tokens_BS, emitted_BT, n_B + 1), s.tokens_BS)
+    end_B = jnp.where(active_B, s.end_B + keep_B, s.end_B)
+    length_B = jnp.where(active_B, n_B + accepted_B + 1, n_B)
+    done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
+    committed = s.replace(tokens_BS=tokens_BS, end_B=end_B, length_B=length_B, done_B=done_B)
+    return accepted_B, emitted_BT, active_B, committed
+
+
+def count_acceptance(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:
+    """Step 6: per-position reached/accepted counters and the accepted-length histogram, over active rows (the
+    LoopState fields they replace)."""
+    idx_J = jnp.arange(J, dtype=jnp.int32)
+    count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)  # noqa: E731
+    return {
+        "cycles": s.cycles + 1,
+        "reached_J": s.reached_J + count(accepted_B[:, None] >= idx_J),
+        "accepted_J": s.accepted_J + count(accepted_B[:, None] > idx_J),
+        "accept_hist_T": s.accept_hist_T + count(accepted_B[:, None] == jnp.arange(J + 1)),
+    }
+
+
+def _choose_target(key, out_BV, sampling: Sampling | RowSampling):
+    """A token from the target's output at one position (ids if greedy, else logits)."""
+    return out_BV if sampling.greedy else _sample(key, out_BV, sampling)
 
 
 # ---------------------------------------------------------------------- static or per-row sampling (traced helpers)
@@ -369,10 +405,10 @@ def _speculative_accept(key, draft_BJ, q_BJV, p_BTV):
     return accepted_B1[:, 0], next_B1[:, 0]
 
 
-def _is_stop(tokens_B_: jax.Array, cfg: LoopConfig, stop_BK: jax.Array | None) -> jax.Array:
-    """Which tokens [B, ...] are stop ids: the config's, plus each row's own (stop_BK, -1 padded) when given."""
+def _is_stop(tokens_B_: jax.Array, cfg: LoopConfig, stop_ids: jax.Array | None) -> jax.Array:
+    """Which tokens [B, ...] are stop ids: the config's, plus each row's own (`stop_ids` [B, n], -1 padded) if given."""
     stop = jnp.isin(tokens_B_, jnp.asarray(cfg.stop_ids or (-1,)))
-    if stop_BK is None:
+    if stop_ids is None:
         return stop
-    row_BK = stop_BK.reshape(stop_BK.shape[:1] + (1,) * (tokens_B_.ndim - 1) + stop_BK.shape[1:])
-    return stop | jnp.any((tokens_B_[..., None] == row_BK) & (row_BK >= 0), axis=-1)
+    row_ids = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens_B_.ndim - 1) + stop_ids.shape[1:])
+    return stop | jnp.any((tokens_B_[..., None] == row_ids) & (row_ids >= 0), axis=-1)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.decoding.acceptance import _residual
+from jaxspec.decoding.acceptance import residual_distribution
 
 
 @struct.dataclass
@@ -318,7 +318,7 @@ def _walk_row(u_LK, tokens_T, parent_T, p_TV, q_TV):
             # A child q gives no mass (more children than q's support) cannot be a draw from q: it is skipped.
             trying = is_i_T.any() & (accepted < 0) & (q_V[x] > 0)
             accept = trying & (u_LK[d, i] * q_V[x] < r_V[x])  # u < r/q without the division
-            residual_V = _residual(r_V, q_V)
+            residual_V = residual_distribution(r_V, q_V)
             r_V = jnp.where(trying & ~accept, residual_V / residual_V.sum(), r_V)
             return r_V, left_V, jnp.where(accept, t, accepted)
 

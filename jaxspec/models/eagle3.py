@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -33,13 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import ConfigError, KimiConfig, RopeScaling, _read_rope
+from jaxspec.config import ConfigError, KimiConfig, RopeScaling, read_rope
 from jaxspec.models import rope
 from jaxspec.models.kimi import embed_lookup
-from jaxspec.models.layers import ones, param, rms_norm, swiglu
+from jaxspec.models.layers import NEG_INF, ones, param, rms_norm, swiglu
 from jaxspec.models.mla import MLA
 from jaxspec.models.quant import einsum as ein
-from sharding.mesh import MODEL
 from sharding.rules import DEFAULT_RULES, ShardingRules
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -49,7 +48,6 @@ MLA_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "deepseek_v2")
 SPECULATORS_TYPE = "eagle3"
 # Published variant flags this port does not implement (speculators / Eagle 3.1); all default to off.
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "tie_word_embeddings")
-_NEG_INF = -1e30
 
 Convention = Literal["output", "input"]
 
@@ -142,47 +140,8 @@ class Eagle3Config:
             raise ConfigError(f"drafter config: expected a OSON object, got {type(cfg).__name__}")
         if capture_convention not in (None, "output", "input"):
             raise ConfigError(f"capture_convention: expected 'output', 'input' or None, got {capture_convention!r}")
-        archs = list(cfg.get("architectures") or [])
-        if "speculators_model_type" in cfg:
-            if cfg["speculators_model_type"] != SPECULATORS_TYPE:
-                raise ConfigError(
-                    f"speculators_model_type: {cfg['speculators_model_type']!r} is not supported "
-                    f"(expected {SPECULATORS_TYPE!r})"
-                )
-            layer, fmt = cfg.get("transformer_layer_config"), "speculators"
-            if not isinstance(layer, Mapping):
-                raise ConfigError("transformer_layer_config: a speculators eagle3 config needs this nested object")
-        elif SGLANG_ARCHITECTURE in archs:
-            layer, fmt = cfg, "sglang"
-        elif any(a in MLA_ARCHITECTURES for a in archs):
-            layer, fmt = cfg, "mla"
-        else:
-            raise ConfigError(
-                f"architectures: {archs} is not a supported EAGLE-3 drafter (expected [{SGLANG_ARCHITECTURE!r}] "
-                f"for SGLang/SpecForge, one of {list(MLA_ARCHITECTURES)} for an MLA drafter, or a speculators config "
-                f"with speculators_model_type {SPECULATORS_TYPE!r})"
-            )
-
-        problems = []
-        if fmt == "mla" and layer.get("model_type", "deepseek_v3") not in MLA_MODEL_TYPES:
-            problems.append(
-                f"model_type: an MLA drafter needs one of {list(MLA_MODEL_TYPES)}, got {layer['model_type']!r}"
-            )
-        checks = (("hidden_act", "silu"), ("num_hidden_layers", 1)) + (
-            (("model_type", "llama"),) if fmt != "mla" else ()
-        )
-        for name, expected in checks:
-            if layer.get(name, expected) != expected:
-                problems.append(f"{name}: only {expected!r} is supported, got {layer[name]!r}")
-        for name in ("attention_bias", "mlp_bias"):
-            if layer.get(name):
-                problems.append(f"{name}: biases are not supported (published EAGLE-3 drafters have none)")
-        for name in UNSUPPORTED_FLAGS:
-            if cfg.get(name) or layer.get(name):
-                problems.append(f"{name}: variant flag is set; only norm_before_residual is supported")
-        eagle = cfg.get("eagle_config") or {}
-        if not eagle.get("use_aux_hidden_state", True):
-            problems.append("eagle_config.use_aux_hidden_state: false (an EAGLE-1/2 drafter) is not supported")
+        layer, fmt = _layer_and_format(cfg)
+        problems = _unsupported(cfg, layer, fmt)
 
         def req(name: str) -> Any:
             if not isinstance(layer.get(name), int) or isinstance(layer.get(name), bool) or layer[name] <= 0:
@@ -191,34 +150,26 @@ class Eagle3Config:
             return layer[name]
 
         D, F, N, V = req("hidden_size"), req("intermediate_size"), req("num_attention_heads"), req("vocab_size")
-        J = N if fmt == "mla" else layer.get("num_key_value_heads") or N
+        O = N if fmt == "mla" else layer.get("num_key_value_heads") or N  # noqa: E741
         mla = _read_mla(layer, target_config, D, N, problems) if fmt == "mla" else None
-        if N % J:
-            problems.append(f"num_key_value_heads: {J} must divide num_attention_heads={N}")
+        if N % O:
+            problems.append(f"num_key_value_heads: {O} must divide num_attention_heads={N}")
         U = cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or V
         Dt = cfg.get("target_hidden_size") or layer.get("target_hidden_size") or D
-        L = target_config.num_hidden_layers
-        if V != target_config.vocab_size:
-            problems.append(f"vocab_size: drafter has {V}, target has {target_config.vocab_size}")
-        if not 0 < U <= V:
-            problems.append(f"draft_vocab_size: expected 1..vocab_size={V}, got {U}")
-        if Dt != target_config.hidden_size:
-            problems.append(
-                f"target_hidden_size: drafter expects {Dt}, target hidden_size is {target_config.hidden_size}"
-            )
+        problems += _target_misfits(target_config, V, U, Dt)
         try:
             draft_rope = _read_draft_rope(layer)
         except ConfigError as e:
             problems.append(str(e))
             draft_rope = DraftRope(10000.0)
-        layers, convention = _capture_layers(cfg, fmt, L, capture_convention, problems)
+        layers, convention = _capture_layers(cfg, fmt, target_config.num_hidden_layers, capture_convention, problems)
         if problems:
             raise ConfigError("drafter config does not fit the target:\n  " + "\n  ".join(problems))
         return cls(
             hidden_size=D,
             intermediate_size=F,
             num_attention_heads=N,
-            num_key_value_heads=J,
+            num_key_value_heads=O,
             head_dim=mla.qk_head_dim if mla is not None else layer.get("head_dim") or D // N,
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
             vocab_size=V,
@@ -232,6 +183,63 @@ class Eagle3Config:
             format=fmt,
             mla=mla,
         )
+
+
+def _target_misfits(target: KimiConfig, V: int, U: int, Dt: int) -> list[str]:
+    """Problems with the drafter's vocabulary (V), draft vocabulary (U) and target hidden size (Dt) for `target`."""
+    problems = []
+    if V != target.vocab_size:
+        problems.append(f"vocab_size: drafter has {V}, target has {target.vocab_size}")
+    if not 0 < U <= V:
+        problems.append(f"draft_vocab_size: expected 1..vocab_size={V}, got {U}")
+    if Dt != target.hidden_size:
+        problems.append(f"target_hidden_size: drafter expects {Dt}, target hidden_size is {target.hidden_size}")
+    return problems
+
+
+def _layer_and_format(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """(the mapping holding the decoder layer's fields, the checkpoint format) of a drafter `config.json`."""
+    archs = list(cfg.get("architectures") or [])
+    if "speculators_model_type" in cfg:
+        if cfg["speculators_model_type"] != SPECULATORS_TYPE:
+            raise ConfigError(
+                f"speculators_model_type: {cfg['speculators_model_type']!r} is not supported "
+                f"(expected {SPECULATORS_TYPE!r})"
+            )
+        layer = cfg.get("transformer_layer_config")
+        if not isinstance(layer, Mapping):
+            raise ConfigError("transformer_layer_config: a speculators eagle3 config needs this nested object")
+        return layer, "speculators"
+    if SGLANG_ARCHITECTURE in archs:
+        return cfg, "sglang"
+    if any(a in MLA_ARCHITECTURES for a in archs):
+        return cfg, "mla"
+    raise ConfigError(
+        f"architectures: {archs} is not a supported EAGLE-3 drafter (expected [{SGLANG_ARCHITECTURE!r}] "
+        f"for SGLang/SpecForge, one of {list(MLA_ARCHITECTURES)} for an MLA drafter, or a speculators config "
+        f"with speculators_model_type {SPECULATORS_TYPE!r})"
+    )
+
+
+def _unsupported(cfg: Mapping[str, Any], layer: Mapping[str, Any], fmt: str) -> list[str]:
+    """Problems with the architecture variant: model type, activation, layer count, biases, variant flags."""
+    problems = []
+    if fmt == "mla" and layer.get("model_type", "deepseek_v3") not in MLA_MODEL_TYPES:
+        problems.append(f"model_type: an MLA drafter needs one of {list(MLA_MODEL_TYPES)}, got {layer['model_type']!r}")
+    checks = (("hidden_act", "silu"), ("num_hidden_layers", 1)) + ((("model_type", "llama"),) if fmt != "mla" else ())
+    for name, expected in checks:
+        if layer.get(name, expected) != expected:
+            problems.append(f"{name}: only {expected!r} is supported, got {layer[name]!r}")
+    for name in ("attention_bias", "mlp_bias"):
+        if layer.get(name):
+            problems.append(f"{name}: biases are not supported (published EAGLE-3 drafters have none)")
+    for name in UNSUPPORTED_FLAGS:
+        if cfg.get(name) or layer.get(name):
+            problems.append(f"{name}: variant flag is set; only norm_before_residual is supported")
+    eagle = cfg.get("eagle_config") or {}
+    if not eagle.get("use_aux_hidden_state", True):
+        problems.append("eagle_config.use_aux_hidden_state: false (an EAGLE-1/2 drafter) is not supported")
+    return problems
 
 
 def _read_mla(layer: Mapping[str, Any], target: KimiConfig, D: int, N: int, problems: list[str]) -> KimiConfig | None:
@@ -250,7 +258,7 @@ def _read_mla(layer: Mapping[str, Any], target: KimiConfig, D: int, N: int, prob
     if kv_heads != N:
         problems.append(f"num_key_value_heads: MLA expects {N} (= num_attention_heads), got {kv_heads}")
     try:
-        theta, scaling = _read_rope(layer)
+        theta, scaling = read_rope(layer)
         return target.replace(
             hidden_size=D,
             num_attention_heads=N,
@@ -363,7 +371,7 @@ def _read_draft_rope(layer: Mapping[str, Any]) -> DraftRope:
             original_max_position_embeddings=int(orig),
         )
     if kind == "yarn":
-        _, yarn = _read_rope(
+        _, yarn = read_rope(
             {"rope_theta": theta, "rope_scaling": {**scaling, "original_max_position_embeddings": orig}}
         )
         return DraftRope(theta, "yarn", yarn=yarn)
@@ -373,20 +381,23 @@ def _read_draft_rope(layer: Mapping[str, Any]) -> DraftRope:
 # ----------------------------------------------------------------------------------------------- the model
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """Which dims are split over the mesh's "model" axis (the rest are replicated)."""
+    """Which dims are split over the mesh's tensor-parallel axis `axis` (the rest are replicated)."""
 
     heads: bool
     mlp: bool
     vocab: bool
+    axis: str  # ShardingRules.model_axis: the axis split dims live on and the forward reduces over
 
     @classmethod
     def plan(cls, cfg: Eagle3Config, model_shards: int, rules: ShardingRules = DEFAULT_RULES) -> Split:
-        """Split a dim when the rules map it to "model" (the axis the forward reduces over) and it divides."""
-        split = lambda axis, *sizes: axis == MODEL and all(s % model_shards == 0 for s in sizes)  # noqa: E731
+        """Split a dim when the rules map it to the model axis (the axis the forward reduces over) and it divides."""
+        axis = rules.model_axis
+        split = lambda logical, *sizes: logical == axis and all(s % model_shards == 0 for s in sizes)  # noqa: E731
         return cls(
             heads=split(rules.heads, cfg.num_attention_heads, cfg.num_key_value_heads),
             mlp=split(rules.mlp, cfg.intermediate_size),
             vocab=split(rules.vocab, cfg.draft_vocab_size),
+            axis=axis,
         )
 
     def rules_for(self, rules: ShardingRules) -> ShardingRules:
@@ -395,10 +406,24 @@ class Split:
         return rules if self.heads else dataclasses.replace(rules, heads=None)
 
 
-KVCache = tuple[jax.Array, ...]  # Llama: (k, v), each [B,S,O,Z]; MLA: (latent [B,S,C+R],)
+KVCache = tuple[jax.Array, ...]  # Llama: (k, v), each [B,S,O,Z]; MLA: (latent [B,S,Y],) (Y = C + R)
+# How the layer math reads a weight: as stored (inference) or in float32 (the training-time test, `ttt.py`).
+WeightFn = Callable[[nnx.Param], jax.Array]
+
+
+def stored(var: nnx.Param) -> jax.Array:
+    return var[...]
+
+
+def float32(var: nnx.Param) -> jax.Array:
+    return var[...].astype(jnp.float32)
 
 
 class Eagle3Model(nnx.Module):
+    """The drafter's one decoder layer. Its pieces (`embed_tokens` ... `head`) are the ONE implementation of the layer
+    math: `__call__` (inference) composes them around the cached attention, and the training-time test
+    (`jaxspec/training/ttt.py`) around its unrolled attention, reading weights in float32 and reducing nothing."""
+
     def __init__(
         self, cfg: Eagle3Config, *, dtype: jnp.dtype = jnp.bfloat16, split: Split | None = None, rngs: nnx.Rngs
     ):
@@ -447,47 +472,74 @@ class Eagle3Model(nnx.Module):
 
         Returns (fp32 logits [B,T,U] (local vocab shard when split), h2 [B,T,D], updated cache or None).
         """
-        cfg, dt = self.config, self.dtype
-        eps = cfg.rms_norm_eps
-        with jax.named_scope("embed"):
-            e_BTD = embed_lookup(self.embed[...], tokens_BT).astype(dt)
-        if first_step:
-            with jax.named_scope("fc"):
-                h_BTD = ein("BTI,ID->BTD", hidden.astype(dt), self.fc[...])
-        else:
-            h_BTD = hidden.astype(dt)
-        hn_BTD = rms_norm(h_BTD, self.hidden_norm[...], eps)
-        residual_BTD = hn_BTD if cfg.norm_before_residual else h_BTD
-        a_BTW = jnp.concatenate([rms_norm(e_BTD, self.input_norm[...], eps), hn_BTD], axis=-1)
-
+        dt = self.dtype
+        e_BTD = self.embed_tokens(tokens_BT, dt)
+        h_BTD = self.fuse_captured(hidden, dt) if first_step else hidden.astype(dt)
+        a_BTW, residual_BTD = self.layer_input(e_BTD, h_BTD)
         with jax.named_scope("attention"):
             attn_BTD, cache = self._attend(a_BTW, pos_BT, cache)
-            if self.split.heads:
-                attn_BTD = jax.lax.psum(attn_BTD, MODEL)
-            h1_BTD = residual_BTD + attn_BTD.astype(dt)
-        with jax.named_scope("mlp"):
-            x_BTD = rms_norm(h1_BTD, self.post_attn_norm[...], eps)
-            y_BTF = swiglu(ein("BTD,DF->BTF", x_BTD, self.gate[...]), ein("BTD,DF->BTF", x_BTD, self.up[...]))
-            y_BTD = ein("BTF,FD->BTD", y_BTF, self.down[...], dtype=jnp.float32)
-            if self.split.mlp:
-                y_BTD = jax.lax.psum(y_BTD, MODEL)
-            h2_BTD = h1_BTD + y_BTD.astype(dt)
-        with jax.named_scope("head"):
-            x_BTD = rms_norm(h2_BTD, self.final_norm[...], eps)
-            logits_BTU = ein("BTD,DU->BTU", x_BTD, self.lm_head[...], dtype=jnp.float32)
-        return logits_BTU, h2_BTD, cache
+            h1_BTD = self.add_attention(residual_BTD, attn_BTD, dt)
+        h2_BTD = self.mlp(h1_BTD, dt)
+        return self.head(h2_BTD), h2_BTD, cache
 
+    # ---------------------------------------------------------------- the layer math, shared with training
+    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """The (vocab-split) embedding rows of `tokens_BT` [B,T,D] as `dtype`."""
+        with jax.named_scope("embed"):
+            return embed_lookup(self.embed[...], tokens_BT, self.split.axis).astype(dtype)
+
+    def fuse_captured(self, aux_BTI: jax.Array, dtype: jnp.dtype, weight: WeightFn = stored) -> jax.Array:
+        """The first step's h [B,T,D]: `fc` over the concatenated captured target states."""
+        with jax.named_scope("fc"):
+            return ein("BTI,ID->BTD", aux_BTI.astype(dtype), weight(self.fc))
+
+    def layer_input(self, e_BTD, h_BTD, weight: WeightFn = stored) -> tuple[jax.Array, jax.Array]:
+        """(attention input [B,T,W] = [input_norm(embedding) | hidden_norm(h)], the residual stream [B,T,D])."""
+        eps = self.config.rms_norm_eps
+        hn_BTD = rms_norm(h_BTD, weight(self.hidden_norm), eps)
+        residual_BTD = hn_BTD if self.config.norm_before_residual else h_BTD
+        return jnp.concatenate([rms_norm(e_BTD, weight(self.input_norm), eps), hn_BTD], axis=-1), residual_BTD
+
+    def project_qkv(self, a_BTW, pos_BT, weight: WeightFn = stored) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Llama attention's (q [B,T,N,Z], k [B,T,O,Z], v [B,T,O,Z]) with rotate-half RoPE on q and k."""
+        cos, sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        q_BTNZ = rope.apply_half(ein("BTW,WNZ->BTNZ", a_BTW, weight(self.q)), cos, sin)
+        k_BTOZ = rope.apply_half(ein("BTW,WOZ->BTOZ", a_BTW, weight(self.k)), cos, sin)
+        return q_BTNZ, k_BTOZ, ein("BTW,WOZ->BTOZ", a_BTW, weight(self.v))
+
+    def project_out(self, out_BTNZ: jax.Array, weight: WeightFn = stored) -> jax.Array:
+        """o_proj: fp32 [B,T,D], a partial sum over the local heads when heads are split."""
+        return ein("BTNZ,NZD->BTD", out_BTNZ, weight(self.o), dtype=jnp.float32)
+
+    def add_attention(self, residual_BTD, attn_BTD, dtype: jnp.dtype, *, reduce: bool = True) -> jax.Array:
+        """h1 = residual + attention output (summed over the model axis first when heads are split and `reduce`)."""
+        if reduce and self.split.heads:
+            attn_BTD = jax.lax.psum(attn_BTD, self.split.axis)
+        return residual_BTD + attn_BTD.astype(dtype)
+
+    def mlp(self, h1_BTD, dtype: jnp.dtype, weight: WeightFn = stored, *, reduce: bool = True) -> jax.Array:
+        """h2 = h1 + SwiGLU(post_attention_layernorm(h1)) (its down projection summed over the model axis when the
+        MLP is split and `reduce`)."""
+        with jax.named_scope("mlp"):
+            x_BTD = rms_norm(h1_BTD, weight(self.post_attn_norm), self.config.rms_norm_eps)
+            y_BTF = swiglu(ein("BTD,DF->BTF", x_BTD, weight(self.gate)), ein("BTD,DF->BTF", x_BTD, weight(self.up)))
+            y_BTD = ein("BTF,FD->BTD", y_BTF, weight(self.down), dtype=jnp.float32)
+            if reduce and self.split.mlp:
+                y_BTD = jax.lax.psum(y_BTD, self.split.axis)
+            return h1_BTD + y_BTD.astype(dtype)
+
+    def head(self, h2_BTD: jax.Array, weight: WeightFn = stored) -> jax.Array:
+        """fp32 draft logits [B,T,U] (the local vocabulary shard when it is split)."""
+        with jax.named_scope("head"):
+            x_BTD = rms_norm(h2_BTD, weight(self.final_norm), self.config.rms_norm_eps)
+            return ein("BTD,DU->BTU", x_BTD, weight(self.lm_head), dtype=jnp.float32)
+
+    # ---------------------------------------------------------------- inference attention over the KV cache
     def _attend(self, a_BTW, pos_BT, cache):
         if self.config.mla is not None:
             return self._attend_mla(a_BTW, pos_BT, cache)
-        B, T, _ = a_BTW.shape
-        _, O, Z = self.k.shape  # noqa: E741 (local KV heads)
-        P = self.q.shape[1] // O
-        cos, sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        q_BTOPZ = rope.apply_half(ein("BTW,WNZ->BTNZ", a_BTW, self.q[...]), cos, sin).reshape(B, T, O, P, Z)
-        k_BTOZ = rope.apply_half(ein("BTW,WOZ->BTOZ", a_BTW, self.k[...]), cos, sin)
-        v_BTOZ = ein("BTW,WOZ->BTOZ", a_BTW, self.v[...])
+        q_BTNZ, k_BTOZ, v_BTOZ = self.project_qkv(a_BTW, pos_BT)
         if cache is None:
             k_BSOZ, v_BSOZ, kv_pos_BS = k_BTOZ, v_BTOZ, pos_BT
         else:
@@ -498,11 +550,7 @@ class Eagle3Model(nnx.Module):
             kv_pos_BS = jnp.broadcast_to(jnp.arange(k_BSOZ.shape[1]), k_BSOZ.shape[:2])
         # Causal by position: entries past a sequence's own position are stale or padding and never seen.
         mask_BTS = kv_pos_BS[:, None, :] <= pos_BT[:, :, None]
-        s_BOPTS = ein("BTOPZ,BSOZ->BOPTS", q_BTOPZ, k_BSOZ, dtype=jnp.float32) * Z**-0.5
-        s_BOPTS = jnp.where(mask_BTS[:, None, None], s_BOPTS, _NEG_INF)
-        p_BOPTS = jax.nn.softmax(s_BOPTS, axis=-1).astype(a_BTW.dtype)
-        out_BTNZ = ein("BOPTS,BSOZ->BTOPZ", p_BOPTS, v_BSOZ).reshape(B, T, O * P, Z)
-        return ein("BTNZ,NZD->BTD", out_BTNZ, self.o[...], dtype=jnp.float32), cache
+        return self.project_out(attention(q_BTNZ, k_BSOZ, v_BSOZ, mask_BTS)), cache
 
     def _attend_mla(self, a_BTW, pos_BT, cache):
         """The target's MLA over the drafter's latent cache (a 1-tuple: [B, S, kv_lora_rank + qk_rope_head_dim])."""
@@ -511,8 +559,8 @@ class Eagle3Model(nnx.Module):
         if cache is None:
             return self.attn(a_BTW, cos_sin, pos_BT, None, 0, impl)[0], None
         # MLA takes a layer-stacked cache and a layer index; the drafter's one layer is a stack of one.
-        out_BTD, latent_LBSK = self.attn(a_BTW, cos_sin, pos_BT, cache[0][None], 0, impl)
-        return out_BTD, (latent_LBSK[0],)
+        out_BTD, latent_LBSY = self.attn(a_BTW, cos_sin, pos_BT, cache[0][None], 0, impl)
+        return out_BTD, (latent_LBSY[0],)
 
 
 class DraftMLA(MLA):
@@ -524,6 +572,25 @@ class DraftMLA(MLA):
         self.o = param(
             rngs, (cfg.num_attention_heads, cfg.v_head_dim, cfg.hidden_size), ("heads", None, "embed"), dtype
         )
+
+
+def group_queries(q_BTNZ: jax.Array, kv_heads: int) -> jax.Array:
+    """[B,T,N,Z] -> [B,T,O,P,Z]: query heads grouped by the KV head they share (N = O * P)."""
+    B, T, N, Z = q_BTNZ.shape
+    return q_BTNZ.reshape(B, T, kv_heads, N // kv_heads, Z)
+
+
+def gqa_scores(q_BTOPZ: jax.Array, k_BSOZ: jax.Array) -> jax.Array:
+    """Scaled fp32 attention scores [B,O,P,T,S]."""
+    return ein("BTOPZ,BSOZ->BOPTS", q_BTOPZ, k_BSOZ, dtype=jnp.float32) * q_BTOPZ.shape[-1] ** -0.5
+
+
+def attention(q_BTNZ: jax.Array, k_BSOZ: jax.Array, v_BSOZ: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention [B,T,N,Z]; keys where `mask_BTS` (broadcast over B) is False get weight 0."""
+    B, T, N, Z = q_BTNZ.shape
+    s_BOPTS = jnp.where(mask_BTS[:, None, None], gqa_scores(group_queries(q_BTNZ, k_BSOZ.shape[2]), k_BSOZ), NEG_INF)
+    p_BOPTS = jax.nn.softmax(s_BOPTS, axis=-1).astype(q_BTNZ.dtype)
+    return ein("BOPTS,BSOZ->BTOPZ", p_BOPTS, v_BSOZ).reshape(B, T, N, Z)
 
 
 def concat_captured(captured_XBTD: jax.Array) -> jax.Array:

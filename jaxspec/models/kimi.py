@@ -3,7 +3,7 @@
 `KimiModel.__call__` runs inside `jax.shard_map` over the ("data", "model") mesh: it sees per-device shards of
 every weight (heads, experts, MLP hidden and vocabulary split over "model") and states its collectives:
 one psum for the vocab-split embedding, then per decoder layer exactly two (after attention; after the dense MLP or
-the routed + shared experts), and none for the head (logits stay vocab-split). `jaxspec.target.Target` wraps it in
+the routed + shared experts), and none for the head (logits stay vocab-split). `jaxspec.runtime.Target` wraps it in
 shard_map/jit for users; with a 1x1 mesh the same code is the single-device model.
 
 Layers are stacked (leading "layers" axis) and run under `lax.scan`: the dense first layers in one stack, the MoE
@@ -27,35 +27,36 @@ from jaxspec.models import quant, rope
 from jaxspec.models.layers import ones, param, rms_norm
 from jaxspec.models.mla import KV_BLOCK, MLA, AttnImpl
 from jaxspec.models.moe import MLP, LayerSlice, MoE, is_routed_weight
-from sharding.mesh import MODEL
+from sharding.rules import DEFAULT_RULES, ShardingRules
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: KimiConfig, dtype: jnp.dtype, moe: bool, int4_experts: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: KimiConfig, dtype: jnp.dtype, moe: bool, int4_experts: bool, rngs: nnx.Rngs, *, axis: str):
+        """`axis`: the mesh axis of tensor/expert parallelism (`ShardingRules.model_axis`) the layer reduces over."""
         D = cfg.hidden_size
         self.input_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.post_attn_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.attn = MLA(cfg, dtype, rngs)
-        self.mlp = MoE(cfg, dtype, int4_experts, rngs) if moe else MLP(D, cfg.intermediate_size, dtype, rngs)
-        self.eps = cfg.rms_norm_eps
+        self.mlp = MoE(cfg, dtype, int4_experts, rngs, axis=axis) if moe else MLP(D, cfg.intermediate_size, dtype, rngs)
+        self.eps, self.axis = cfg.rms_norm_eps, axis
 
-    def __call__(self, x_BTD, cos_sin, pos_BT, cache_LBSK, layer, impl: AttnImpl, kv_block: int = KV_BLOCK):
+    def __call__(self, x_BTD, cos_sin, pos_BT, cache_LBSY, layer, impl: AttnImpl, kv_block: int = KV_BLOCK):
         B, T, D = x_BTD.shape
         with jax.named_scope("attention"):
-            attn_BTD, cache_LBSK = self.attn(
+            attn_BTD, cache_LBSY = self.attn(
                 rms_norm(x_BTD, self.input_norm[...], self.eps),
                 cos_sin,
                 pos_BT,
-                cache_LBSK,
+                cache_LBSY,
                 layer,
                 impl,
                 kv_block=kv_block,
             )
-            h_BTD = x_BTD + jax.lax.psum(attn_BTD, MODEL).astype(x_BTD.dtype)
+            h_BTD = x_BTD + jax.lax.psum(attn_BTD, self.axis).astype(x_BTD.dtype)
         with jax.named_scope("mlp"):
             y_MD = self.mlp(rms_norm(h_BTD, self.post_attn_norm[...], self.eps).reshape(B * T, D))
-            out_BTD = h_BTD + jax.lax.psum(y_MD, MODEL).astype(x_BTD.dtype).reshape(B, T, D)
-        return out_BTD, cache_LBSK
+            out_BTD = h_BTD + jax.lax.psum(y_MD, self.axis).astype(x_BTD.dtype).reshape(B, T, D)
+        return out_BTD, cache_LBSY
 
 
 def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -74,18 +75,25 @@ class KimiModel(nnx.Module):
         *,
         dtype: jnp.dtype = jnp.bfloat16,
         int4_experts: bool | None = None,
+        rules: ShardingRules = DEFAULT_RULES,
         rngs: nnx.Rngs,
     ):
+        """`rules` name the mesh axis the per-device forward reduces over (`ShardingRules.model_axis`)."""
         int4_experts = cfg.quant is not None if int4_experts is None else int4_experts
         D, V, k = cfg.hidden_size, cfg.vocab_size, cfg.first_k_dense_replace
         self.config = cfg
         self.dtype = dtype
         self.int4_experts = int4_experts
+        self.axis = axis = rules.model_axis
         self.embed = param(rngs, (V, D), ("vocab", "embed"), dtype)
-        self.dense_layers = stacked(lambda r: DecoderLayer(cfg, dtype, False, False, r), k, rngs) if k else None
+        self.dense_layers = (
+            stacked(lambda r: DecoderLayer(cfg, dtype, False, False, r, axis=axis), k, rngs) if k else None
+        )
         n_moe = cfg.num_moe_layers
         self.moe_layers = (
-            stacked(lambda r: DecoderLayer(cfg, dtype, True, int4_experts, r), n_moe, rngs) if n_moe else None
+            stacked(lambda r: DecoderLayer(cfg, dtype, True, int4_experts, r, axis=axis), n_moe, rngs)
+            if n_moe
+            else None
         )
         self.final_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.lm_head = param(rngs, (D, V), ("embed", "vocab"), dtype)
@@ -96,7 +104,7 @@ class KimiModel(nnx.Module):
         self,
         tokens_BT: jax.Array,
         pos_BT: jax.Array,
-        cache_LBSK: jax.Array | None = None,
+        cache_LBSY: jax.Array | None = None,
         *,
         capture: Sequence[int] = (),
         impl: AttnImpl = "expanded",
@@ -106,13 +114,13 @@ class KimiModel(nnx.Module):
         `kv_block`: cache positions per block of the live-prefix attention loop (see mla.py)."""
         B, T = tokens_BT.shape
         with jax.named_scope("embed"):
-            x_BTD = embed_lookup(self.embed[...], tokens_BT)
+            x_BTD = embed_lookup(self.embed[...], tokens_BT, self.axis)
         cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
         capture_X = jnp.asarray(tuple(capture) or (-1,), jnp.int32)
         # zeros_like keeps x's manual-axis variance (it varies over "data"), as the scan carry requires.
         captured_XBTD = jnp.repeat(jnp.zeros_like(x_BTD)[None], len(capture_X), axis=0)
 
-        carry = (x_BTD, cache_LBSK, captured_XBTD)
+        carry = (x_BTD, cache_LBSY, captured_XBTD)
         first = 0
         for stack in (self.dense_layers, self.moe_layers):
             if stack is None:
@@ -128,7 +136,7 @@ class KimiModel(nnx.Module):
                 layer_params, layer_id = xs
                 view = lambda v: v.replace(LayerSlice(v.get_value(), layer_id - first))  # noqa: E731
                 layer = nnx.merge(graphdef, jax.tree.map(view, experts, is_leaf=_is_var), layer_params)
-                # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,K] here
+                # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,Y] here
                 # would copy the full buffer every layer, however short the live prefix.
                 x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block)
                 captured = jnp.where((capture_X == layer_id)[:, None, None, None], x[None], captured)
@@ -136,21 +144,21 @@ class KimiModel(nnx.Module):
 
             carry, _ = jax.lax.scan(body, carry, (params, first + jnp.arange(n, dtype=jnp.int32)))
             first += n
-        x_BTD, cache_LBSK, captured_XBTD = carry
+        x_BTD, cache_LBSY, captured_XBTD = carry
         with jax.named_scope("head"):
             h_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps)
             logits_BTV = quant.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...])
-        return logits_BTV, cache_LBSK, captured_XBTD[: len(capture)]
+        return logits_BTV, cache_LBSY, captured_XBTD[: len(capture)]
 
 
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def embed_lookup(table_VD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
-    """Vocab-split lookup: each device serves the ids in its row range, one psum assembles the rows."""
+def embed_lookup(table_VD: jax.Array, tokens_BT: jax.Array, axis: str) -> jax.Array:
+    """Vocab-split lookup: each device serves the ids in its row range, one psum over `axis` assembles the rows."""
     V_local = table_VD.shape[0]
-    local_BT = tokens_BT - jax.lax.axis_index(MODEL) * V_local
+    local_BT = tokens_BT - jax.lax.axis_index(axis) * V_local
     mine_BT = (local_BT >= 0) & (local_BT < V_local)
     rows_BTD = jnp.take(table_VD, jnp.clip(local_BT, 0, V_local - 1), axis=0)
-    return jax.lax.psum(jnp.where(mine_BT[..., None], rows_BTD, 0), MODEL)
+    return jax.lax.psum(jnp.where(mine_BT[..., None], rows_BTD, 0), axis)

@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# The additive mask of attention scores: exp() of it is exactly 0 in fp32, yet it stays finite (no inf - inf = NaN).
+NEG_INF = -1e30
+
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 

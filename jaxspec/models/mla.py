@@ -25,11 +25,10 @@ from flax import nnx
 
 from jaxspec.config import LATENT_NORM_EPS, KimiConfig
 from jaxspec.models import rope
-from jaxspec.models.layers import ones, param, rms_norm
+from jaxspec.models.layers import NEG_INF, ones, param, rms_norm
 from jaxspec.models.quant import einsum as ein
 
 AttnImpl = Literal["expanded", "absorbed"]
-_NEG_INF = -1e30
 # Cache positions per block of the live-prefix loop. Larger blocks mean fewer loop iterations (each costs a little
 # fixed overhead, notably on GPU) but up to kv_block - 1 dead positions read per step; 512 x 576 bf16 values per
 # sequence is 590 KB, one small DMA on an accelerator.
@@ -38,7 +37,7 @@ KV_BLOCK = 512
 # Online-softmax state (fp32): running max [B,N,T], running denominator [B,N,T], unnormalised output [B,T,N,C]
 # (absorbed: over the latent) or [B,T,N,A] (expanded: over per-head values).
 Softmax = tuple[jax.Array, jax.Array, jax.Array]
-# Per KV block [B,S,K] (compute dtype): its scores [B,N,T,S], and a function mixing probabilities into that output.
+# Per KV block [B,S,Y] (compute dtype): its scores [B,N,T,S], and a function mixing probabilities into that output.
 BlockFn = Callable[[jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
 
 
@@ -67,7 +66,7 @@ class MLA(nnx.Module):
         x_BTD: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
         q_pos_BT: jax.Array,
-        cache_LBSK: jax.Array | None,
+        cache_LBSY: jax.Array | None,
         layer: jax.Array | int,
         impl: AttnImpl,
         *,
@@ -75,61 +74,61 @@ class MLA(nnx.Module):
     ) -> tuple[jax.Array, jax.Array | None]:
         """Returns (partial attention output [B,T,D] in fp32, updated cache or None).
 
-        `cache_LBSK` is the whole stacked cache (all layers) and `layer` the index of this layer in it: the step
+        `cache_LBSY` is the whole stacked cache (all layers) and `layer` the index of this layer in it: the step
         writes its T entries there and reads back only live blocks, so no per-layer copy of the buffer is made.
         """
         cos, sin = cos_sin
         C = self.kv_a_norm.shape[0]
 
         with jax.named_scope("q"):
-            q_nope_BTNH, q_rope_BTNR = self._queries(x_BTD)
+            q_nope_BTNH, q_rope_BTNR = self.queries(x_BTD)
             q_rope_BTNR = rope.apply_interleaved(q_rope_BTNR, cos[:, :, None], sin[:, :, None])
         with jax.named_scope("kv_latent"):
             latent_BTC = rms_norm(
                 ein("BTD,DC->BTC", x_BTD, self.kv_a_latent[...]), self.kv_a_norm[...], LATENT_NORM_EPS
             )
             k_rope_BTR = rope.apply_interleaved(ein("BTD,DR->BTR", x_BTD, self.kv_a_rope[...]), cos, sin)
-            new_BTK = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
+            new_BTY = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
 
         with jax.named_scope(f"attend_{impl}"):
             if impl == "absorbed":
                 q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, self.kv_b_k[...])
-                block_fn, width = self._absorbed_block(q_abs_BTNC, q_rope_BTNR, C), C
+                block_fn, width = self.absorbed_block(q_abs_BTNC, q_rope_BTNR, C), C
             elif impl == "expanded":
-                block_fn, width = self._expanded_block(q_nope_BTNH, q_rope_BTNR, C), self.kv_b_v.shape[-1]
+                block_fn, width = self.expanded_block(q_nope_BTNH, q_rope_BTNR, C), self.kv_b_v.shape[-1]
             else:
                 raise ValueError(f"attention impl must be 'expanded' or 'absorbed', got {impl!r}")
-            init = _softmax_init(q_nope_BTNH, width)
-            if cache_LBSK is None:  # full forward: the new tokens are the keys, one block
+            init = softmax_init(q_nope_BTNH, width)
+            if cache_LBSY is None:  # full forward: the new tokens are the keys, one block
                 mask_BTS = q_pos_BT[:, None, :] <= q_pos_BT[:, :, None]
-                state = _online_softmax(init, *block_fn(new_BTK), mask_BTS, self.softmax_scale)
+                state = online_softmax(init, *block_fn(new_BTY), mask_BTS, self.softmax_scale)
             else:
-                cache_LBSK = write_cache(cache_LBSK, layer, new_BTK, q_pos_BT)
+                cache_LBSY = write_cache(cache_LBSY, layer, new_BTY, q_pos_BT)
                 state = attend_live_prefix(
-                    cache_LBSK, layer, q_pos_BT, block_fn, init, self.softmax_scale, kv_block, x_BTD.dtype
+                    cache_LBSY, layer, q_pos_BT, block_fn, init, self.softmax_scale, kv_block, x_BTD.dtype
                 )
-            out_BTNA = _softmax_finish(state, x_BTD.dtype)  # [B,T,N,C] when absorbed
+            out_BTNA = softmax_finish(state, x_BTD.dtype)  # [B,T,N,C] when absorbed
             if impl == "absorbed":
                 out_BTNA = ein("BTNC,CNA->BTNA", out_BTNA, self.kv_b_v[...])
         out_BTD = ein("BTNA,NAD->BTD", out_BTNA, self.o[...], dtype=jnp.float32)
-        return out_BTD, cache_LBSK
+        return out_BTD, cache_LBSY
 
-    def _absorbed_block(self, q_abs_BTNC: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
+    def absorbed_block(self, q_abs_BTNC: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
         """Scores and mixing over the 576-wide latent directly (W_uk folded into the query, W_uv applied after)."""
 
-        def block(kv_BSK):
-            latent_BSC, k_rope_BSR = kv_BSK[..., :C], kv_BSK[..., C:]
+        def block(kv_BSY):
+            latent_BSC, k_rope_BSR = kv_BSY[..., :C], kv_BSY[..., C:]
             scores_BNTS = ein("BTNC,BSC->BNTS", q_abs_BTNC, latent_BSC) + ein("BTNR,BSR->BNTS", q_rope_BTNR, k_rope_BSR)
             return scores_BNTS, lambda p_BNTS: ein("BNTS,BSC->BTNC", p_BNTS, latent_BSC)
 
         return block
 
-    def _expanded_block(self, q_nope_BTNH: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
+    def expanded_block(self, q_nope_BTNH: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
         """Per-head keys/values expanded from this block's latent only."""
         kv_b_k, kv_b_v = self.kv_b_k[...], self.kv_b_v[...]
 
-        def block(kv_BSK):
-            latent_BSC, k_rope_BSR = kv_BSK[..., :C], kv_BSK[..., C:]
+        def block(kv_BSY):
+            latent_BSC, k_rope_BSR = kv_BSY[..., :C], kv_BSY[..., C:]
             k_nope_BSNH = ein("BSC,CNH->BSNH", latent_BSC, kv_b_k)
             v_BSNA = ein("BSC,CNA->BSNA", latent_BSC, kv_b_v)
             scores_BNTS = ein("BTNH,BSNH->BNTS", q_nope_BTNH, k_nope_BSNH) + ein(
@@ -139,7 +138,7 @@ class MLA(nnx.Module):
 
         return block
 
-    def _queries(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def queries(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(q_nope [B,T,N,H], q_rope before rotation [B,T,N,R]) through the query latent, or q_proj without one."""
         if not hasattr(self, "q_a"):
             return ein("BTD,DNH->BTNH", x_BTD, self.q_nope[...]), ein("BTD,DNR->BTNR", x_BTD, self.q_rope[...])
@@ -147,10 +146,10 @@ class MLA(nnx.Module):
         return ein("BTQ,QNH->BTNH", q_lat_BTQ, self.q_b_nope[...]), ein("BTQ,QNR->BTNR", q_lat_BTQ, self.q_b_rope[...])
 
 
-def write_cache(cache_LBSK: jax.Array, layer: jax.Array | int, new_BTK: jax.Array, pos_BT: jax.Array) -> jax.Array:
+def write_cache(cache_LBSY: jax.Array, layer: jax.Array | int, new_BTY: jax.Array, pos_BT: jax.Array) -> jax.Array:
     """Store each row's T new entries at their positions in `layer` (an in-place scatter; out-of-range dropped)."""
     rows_BT = jnp.broadcast_to(jnp.arange(pos_BT.shape[0], dtype=pos_BT.dtype)[:, None], pos_BT.shape)
-    return cache_LBSK.at[layer, rows_BT, pos_BT].set(new_BTK.astype(cache_LBSK.dtype), mode="drop")
+    return cache_LBSY.at[layer, rows_BT, pos_BT].set(new_BTY.astype(cache_LBSY.dtype), mode="drop")
 
 
 def live_blocks(q_pos_BT: jax.Array, cache_len: int, kv_block: int) -> tuple[jax.Array, int]:
@@ -164,7 +163,7 @@ def live_blocks(q_pos_BT: jax.Array, cache_len: int, kv_block: int) -> tuple[jax
 
 
 def attend_live_prefix(
-    cache_LBSK: jax.Array,
+    cache_LBSY: jax.Array,
     layer: jax.Array | int,
     q_pos_BT: jax.Array,
     block_fn: BlockFn,
@@ -174,35 +173,35 @@ def attend_live_prefix(
     dtype: jnp.dtype,
 ) -> Softmax:
     """Online softmax over the cache's live blocks of `layer`; exact per-row causality by position."""
-    _, B, S, K = cache_LBSK.shape
+    _, B, S, Y = cache_LBSY.shape
     n_blocks, blk = live_blocks(q_pos_BT, S, kv_block)
 
     def body(j, state):
         # When S is not a multiple of blk the last block is shifted back to end at S; its positions before j * blk
         # were seen by the previous block and are masked here.
         start = jnp.minimum(j * blk, S - blk)
-        kv_BSK = jax.lax.dynamic_slice(cache_LBSK, (layer, 0, start, 0), (1, B, blk, K))[0].astype(dtype)
+        kv_BSY = jax.lax.dynamic_slice(cache_LBSY, (layer, 0, start, 0), (1, B, blk, Y))[0].astype(dtype)
         kv_pos_S = start + jnp.arange(blk, dtype=q_pos_BT.dtype)
         mask_BTS = (kv_pos_S >= j * blk) & (kv_pos_S <= q_pos_BT[:, :, None])
-        return _online_softmax(state, *block_fn(kv_BSK), mask_BTS, scale)
+        return online_softmax(state, *block_fn(kv_BSY), mask_BTS, scale)
 
     return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
-def _softmax_init(q_BTNH: jax.Array, width: int) -> Softmax:
+def softmax_init(q_BTNH: jax.Array, width: int) -> Softmax:
     # Built from the queries so the state varies over the same manual mesh axes as the loop's outputs.
     zero_BNT = jnp.zeros_like(q_BTNH[..., 0], jnp.float32).transpose(0, 2, 1)
-    return zero_BNT + _NEG_INF, zero_BNT, jnp.zeros_like(q_BTNH[..., :1], jnp.float32) + jnp.zeros(width, jnp.float32)
+    return zero_BNT + NEG_INF, zero_BNT, jnp.zeros_like(q_BTNH[..., :1], jnp.float32) + jnp.zeros(width, jnp.float32)
 
 
-def _online_softmax(
+def online_softmax(
     state: Softmax, scores_BNTS: jax.Array, mix: Callable[[jax.Array], jax.Array], mask_BTS: jax.Array, scale: float
 ) -> Softmax:
     """Fold one block into the running softmax. Masked entries get probability exactly 0 (even in a block where a
     row has no visible position yet), so stale or padded cache entries never contribute."""
     m_BNT, l_BNT, acc = state
     mask_BNTS = mask_BTS[:, None]
-    s_BNTS = jnp.where(mask_BNTS, scores_BNTS.astype(jnp.float32) * scale, _NEG_INF)
+    s_BNTS = jnp.where(mask_BNTS, scores_BNTS.astype(jnp.float32) * scale, NEG_INF)
     m_new_BNT = jnp.maximum(m_BNT, s_BNTS.max(axis=-1))
     alpha_BNT = jnp.exp(m_BNT - m_new_BNT)
     p_BNTS = jnp.where(mask_BNTS, jnp.exp(s_BNTS - m_new_BNT[..., None]), 0.0)
@@ -212,6 +211,6 @@ def _online_softmax(
     return m_new_BNT, l_BNT, acc
 
 
-def _softmax_finish(state: Softmax, dtype: jnp.dtype) -> jax.Array:
+def softmax_finish(state: Softmax, dtype: jnp.dtype) -> jax.Array:
     _, l_BNT, acc = state
     return (acc / l_BNT.transpose(0, 2, 1)[..., None]).astype(dtype)

@@ -20,7 +20,7 @@ from jaxspec.config import KimiConfig
 from jaxspec.models import quant
 from jaxspec.models.kernels import grouped_int4
 from jaxspec.models.layers import param, swiglu, zeros
-from sharding.mesh import MODEL
+from sharding.rules import DEFAULT_RULES
 
 ExpertImpl = Literal["auto", "xla", "pallas"]
 
@@ -64,7 +64,15 @@ def is_routed_weight(path: tuple, _value=None) -> bool:
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: KimiConfig, dtype: jnp.dtype, int4_experts: bool, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: KimiConfig,
+        dtype: jnp.dtype,
+        int4_experts: bool,
+        rngs: nnx.Rngs,
+        *,
+        axis: str = DEFAULT_RULES.model_axis,
+    ):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         g = cfg.quant.group_size if int4_experts else None
         if int4_experts and cfg.quant is None:
@@ -77,6 +85,7 @@ class MoE(nnx.Module):
         self.shared = MLP(D, F * cfg.n_shared_experts, dtype, rngs)
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.axis = axis  # the expert-parallel mesh axis (ShardingRules.model_axis)
         self.impl: ExpertImpl = "auto"  # static (in the graphdef); see `with_expert_impl`
 
     def __call__(self, x_MD: jax.Array) -> jax.Array:
@@ -93,7 +102,14 @@ class MoE(nnx.Module):
             )
         with jax.named_scope("routed_experts"):
             routed = routed_experts(
-                x_MD, idx_MK, w_MK, self.gate.get_value(), self.up.get_value(), self.down.get_value(), impl=self.impl
+                x_MD,
+                idx_MK,
+                w_MK,
+                self.gate.get_value(),
+                self.up.get_value(),
+                self.down.get_value(),
+                impl=self.impl,
+                axis=self.axis,
             )
         with jax.named_scope("shared_expert"):
             return routed + self.shared(x_MD)
@@ -153,6 +169,7 @@ def routed_experts(
     *,
     impl: ExpertImpl = "auto",
     interpret: grouped_int4.Backend | None = None,
+    axis: str = DEFAULT_RULES.model_axis,
 ) -> jax.Array:
     """This device's experts' weighted outputs (partial sum over experts, fp32 [M, D]).
 
@@ -165,6 +182,7 @@ def routed_experts(
     lowering for TPU/CUDA and xla otherwise (chosen per lowering platform), xla for float experts.
     """
     args = (x_MD, idx_MK, w_MK, gate, up, down)
+    run = functools.partial(_routed, axis=axis)
     int4 = isinstance(gate.stack if isinstance(gate, LayerSlice) else gate, quant.Int4Array)
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"routed_experts: impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
@@ -173,25 +191,27 @@ def routed_experts(
     if interpret is not None:
         if impl != "pallas":
             raise ValueError(f"routed_experts: interpret={interpret!r} needs impl='pallas', got {impl!r}")
-        return _routed(*args, backend=interpret, interpret=True)
+        return run(*args, backend=interpret, interpret=True)
     if impl == "xla" or not int4:
-        return _routed(*args, backend=None)
+        return run(*args, backend=None)
     if impl == "pallas" and jax.default_backend() not in ("tpu", "gpu"):
         raise ValueError(
             f"routed_experts: impl='pallas' has no lowering for backend {jax.default_backend()!r} (TPU or GPU); "
             "use impl='xla', or interpret='tpu'/'triton' to run a lowering in the Pallas interpreter"
         )
-    kernels = dict(tpu=functools.partial(_routed, backend="tpu"), cuda=functools.partial(_routed, backend="triton"))
-    default = dict(default=functools.partial(_routed, backend=None)) if impl == "auto" else {}
+    kernels = dict(tpu=functools.partial(run, backend="tpu"), cuda=functools.partial(run, backend="triton"))
+    default = dict(default=functools.partial(run, backend=None)) if impl == "auto" else {}
     return jax.lax.platform_dependent(*args, **kernels, **default)
 
 
-def _routed(x_MD, idx_MK, w_MK, gate, up, down, *, backend: grouped_int4.Backend | None, interpret: bool = False):
+def _routed(
+    x_MD, idx_MK, w_MK, gate, up, down, *, axis: str, backend: grouped_int4.Backend | None, interpret: bool = False
+):
     M, K = idx_MK.shape
     E_local = gate.shape[0]
-    rows = _tile_rows(M * K, E_local * jax.lax.axis_size(MODEL))
+    rows = _tile_rows(M * K, E_local * jax.lax.axis_size(axis))
     rows = max(rows, 16) if backend else rows  # TPU bf16 sublane tile / Triton dot minimum
-    local_MK = idx_MK - jax.lax.axis_index(MODEL) * E_local
+    local_MK = idx_MK - jax.lax.axis_index(axis) * E_local
     mine_MK = (local_MK >= 0) & (local_MK < E_local)
     # Pairs (flattened M*K, padded to whole tiles), sorted by local expert; other devices' pairs sort last.
     expert_pairs = jnp.where(mine_MK, local_MK, E_local).reshape(-1)
@@ -201,7 +221,7 @@ def _routed(x_MD, idx_MK, w_MK, gate, up, down, *, backend: grouped_int4.Backend
     tiles = grouped_int4.plan_tiles(expert_pairs[order_pairs], E_local, rows, aligned=backend == "tpu")
     x_sorted = jnp.take(x_MD, jnp.minimum(order_pairs // K, M - 1), axis=0)
     if backend is None:
-        y_sorted = _experts_xla(x_sorted, tiles, gate, up, down, rows)[0]
+        y_sorted = _experts_xla(x_sorted, tiles, gate, up, down, rows, axis)[0]
     else:
 
         def mm(x, w, out_dtype):
@@ -218,7 +238,13 @@ def _routed(x_MD, idx_MK, w_MK, gate, up, down, *, backend: grouped_int4.Backend
 
 
 def _experts_xla(
-    x_sorted: jax.Array, tiles: grouped_int4.Tiles, gate: quant.Weight, up: quant.Weight, down: quant.Weight, rows: int
+    x_sorted: jax.Array,
+    tiles: grouped_int4.Tiles,
+    gate: quant.Weight,
+    up: quant.Weight,
+    down: quant.Weight,
+    rows: int,
+    axis: str,
 ) -> tuple[jax.Array, jax.Array]:
     """A data-dependent loop over the live tiles: each slices ONE expert's (packed) weights, dequantises that slice
     and computes its block of rows. Returns (y [sorted rows, D] fp32 for the rows the tiles own, iterations run)."""
@@ -234,13 +260,13 @@ def _experts_xla(
         x_MD = jax.lax.dynamic_slice_in_dim(x_sorted, start, rows)
         h_MF = swiglu(quant.matmul(x_MD, g), quant.matmul(x_MD, u))
         y_MD = quant.matmul(h_MF, d, dtype=jnp.float32)
-        keep_M = grouped_int4._row_mask(start, tiles.lo[t], tiles.hi[t], rows)
+        keep_M = grouped_int4.row_mask(start, tiles.lo[t], tiles.hi[t], rows)
         y_MD = jax.lax.dynamic_slice_in_dim(y_sorted, start, rows) + jnp.where(keep_M, y_MD, 0)
         return t + 1, jax.lax.dynamic_update_slice_in_dim(y_sorted, y_MD, start, 0)
 
-    # Each device owns different experts: the loop carry must be typed as varying over MODEL.
-    y_sorted = jax.lax.pcast(jnp.zeros_like(x_sorted, jnp.float32), (MODEL,), to="varying")
-    t = jax.lax.pcast(jnp.int32(0), (MODEL,), to="varying")
+    # Each device owns different experts: the loop carry must be typed as varying over the expert axis.
+    y_sorted = jax.lax.pcast(jnp.zeros_like(x_sorted, jnp.float32), (axis,), to="varying")
+    t = jax.lax.pcast(jnp.int32(0), (axis,), to="varying")
     t, y_sorted = jax.lax.while_loop(lambda c: c[0] < tiles.num[0], tile, (t, y_sorted))
     return y_sorted, t
 

@@ -22,7 +22,7 @@ SCALE_DTYPE = jnp.bfloat16
 
 
 def pack_pairs(q):
-    """int values in [-8, 7], [..., I, O] -> uint8 [..., I/2, O]: row 2r in the low nibble, 2r+1 in the high one."""
+    """int values in [-8, 7], [..., in, out] -> uint8 [..., in/2, out]: row 2r in the low nibble, 2r+1 in the high."""
     xp = jnp if isinstance(q, jax.Array) else np
     u = (q.astype(xp.int16) + 8).astype(xp.uint8)
     return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
@@ -30,7 +30,8 @@ def pack_pairs(q):
 
 @struct.dataclass
 class Int4Array:
-    """packed: uint8 [..., I/2, O]; scale: [..., I/group_size, O]; w[..., i, o] = q[..., i, o] * scale[..., i//g, o]."""
+    """packed: uint8 [..., in/2, out]; scale: [..., in/group_size, out];
+    w[..., i, o] = q[..., i, o] * scale[..., i//g, o]."""
 
     packed: jax.Array
     scale: jax.Array
@@ -38,7 +39,7 @@ class Int4Array:
 
     @classmethod
     def from_values(cls, q, scale, group_size: int) -> Int4Array:
-        """From int values [..., I, O] in [-8, 7] (numpy or jax) and scales [..., I/group_size, O]."""
+        """From int values [..., in, out] in [-8, 7] (numpy or jax) and scales [..., in/group_size, out]."""
         if q.shape[-2] % group_size or q.shape[-2] // group_size != scale.shape[-2]:
             raise ValueError(f"Int4Array: values {q.shape} and scales {scale.shape} disagree for group {group_size}")
         return cls(pack_pairs(q), scale, group_size)
@@ -54,7 +55,7 @@ class Int4Array:
         return len(self.packed.shape)
 
     def values(self, dtype: jnp.dtype = jnp.int8) -> jax.Array:
-        """The signed 4-bit values [..., I, O] as `dtype`."""
+        """The signed 4-bit values [..., in, out] as `dtype`."""
         lo = (self.packed & 0xF).astype(dtype) - 8
         hi = (self.packed >> 4).astype(dtype) - 8
         return jnp.stack([lo, hi], axis=-2).reshape(self.shape)
@@ -113,7 +114,7 @@ def matmul(x_MI: jax.Array, w: Weight, *, dtype: jnp.dtype | None = None) -> jax
 
 
 def quantize(w: jax.Array | np.ndarray, group_size: int, scale_dtype: jnp.dtype = SCALE_DTYPE) -> Int4Array:
-    """Symmetric group quantisation of a [..., I, O] weight: scale = group max|w| / 7 (so +max never clips),
+    """Symmetric group quantisation of a [..., in, out] weight: scale = group max|w| / 7 (so +max never clips),
     q = clip(round_half_even(w / scale), -8, 7) against the scale as stored. An all-zero group gets scale 1 (q = 0).
     (compressed-tensors' min-max observer divides by 7.5 instead; both are valid pack-quantized weights.)"""
     w = jnp.asarray(w, jnp.float32)

@@ -30,10 +30,10 @@ from jaxspec.models.mla import (
     MLA,
     BlockFn,
     Softmax,
-    _online_softmax,
-    _softmax_finish,
-    _softmax_init,
     attend_live_prefix,
+    online_softmax,
+    softmax_finish,
+    softmax_init,
     write_cache,
 )
 from jaxspec.models.quant import einsum as ein
@@ -53,7 +53,7 @@ def tree_attention(
     block_fn: BlockFn,
     init: Softmax,
     fresh_BSK: jax.Array,
-    cache_LBSK: jax.Array,
+    cache_LBSY: jax.Array,
     layer: jax.Array | int,
     prefix_len_B: jax.Array,
     mask_BTS: jax.Array,
@@ -77,9 +77,9 @@ def tree_attention(
     with jax.named_scope("prefix"):
         # Query position prefix - 1 makes mla.py's causal mask (slot <= position) exactly "slot < prefix".
         last_prefix_BT = jnp.broadcast_to((prefix_len_B - 1)[:, None], (B, T)).astype(jnp.int32)
-        prefix = attend_live_prefix(cache_LBSK, layer, last_prefix_BT, block_fn, init, scale, kv_block, dtype)
+        prefix = attend_live_prefix(cache_LBSY, layer, last_prefix_BT, block_fn, init, scale, kv_block, dtype)
     with jax.named_scope("fresh"):
-        fresh = _online_softmax(init, *block_fn(fresh_BSK.astype(dtype)), mask_BTS, scale)
+        fresh = online_softmax(init, *block_fn(fresh_BSK.astype(dtype)), mask_BTS, scale)
     return merge_softmax(prefix, fresh)
 
 
@@ -89,7 +89,7 @@ def tree_verify_mla(
     cos_sin: tuple[jax.Array, jax.Array],
     prefix_len_B: jax.Array,
     mask_BTS: jax.Array,
-    cache_LBSK: jax.Array,
+    cache_LBSY: jax.Array,
     layer: jax.Array | int,
     *,
     kv_block: int = KV_BLOCK,
@@ -102,22 +102,22 @@ def tree_verify_mla(
     cos, sin = cos_sin
     C = mla.kv_a_norm.shape[0]
     with jax.named_scope("q"):
-        q_nope_BTNH, q_rope_BTNR = mla._queries(x_BTD)
+        q_nope_BTNH, q_rope_BTNR = mla.queries(x_BTD)
         q_rope_BTNR = rope.apply_interleaved(q_rope_BTNR, cos[:, :, None], sin[:, :, None])
     with jax.named_scope("kv_latent"):
         latent_BTC = rms_norm(ein("BTD,DC->BTC", x_BTD, mla.kv_a_latent[...]), mla.kv_a_norm[...], LATENT_NORM_EPS)
         k_rope_BTR = rope.apply_interleaved(ein("BTD,DR->BTR", x_BTD, mla.kv_a_rope[...]), cos, sin)
-        fresh_BTK = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
+        fresh_BTY = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
     with jax.named_scope("attend_tree"):
         q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, mla.kv_b_k[...])
         slots_BT = prefix_len_B[:, None] + jnp.arange(x_BTD.shape[1], dtype=jnp.int32)
-        cache_LBSK = write_cache(cache_LBSK, layer, fresh_BTK, slots_BT)
+        cache_LBSY = write_cache(cache_LBSY, layer, fresh_BTY, slots_BT)
         # The fresh keys go through the cache dtype, as a chain verify reads them back from the cache.
         state = tree_attention(
-            mla._absorbed_block(q_abs_BTNC, q_rope_BTNR, C),
-            _softmax_init(q_nope_BTNH, C),
-            fresh_BTK.astype(cache_LBSK.dtype),
-            cache_LBSK,
+            mla.absorbed_block(q_abs_BTNC, q_rope_BTNR, C),
+            softmax_init(q_nope_BTNH, C),
+            fresh_BTY.astype(cache_LBSY.dtype),
+            cache_LBSY,
             layer,
             prefix_len_B,
             mask_BTS,
@@ -125,5 +125,5 @@ def tree_verify_mla(
             kv_block,
             x_BTD.dtype,
         )
-        out_BTNA = ein("BTNC,CNA->BTNA", _softmax_finish(state, x_BTD.dtype), mla.kv_b_v[...])
-    return ein("BTNA,NAD->BTD", out_BTNA, mla.o[...], dtype=jnp.float32), cache_LBSK
+        out_BTNA = ein("BTNC,CNA->BTNA", softmax_finish(state, x_BTD.dtype), mla.kv_b_v[...])
+    return ein("BTNA,NAD->BTD", out_BTNA, mla.o[...], dtype=jnp.float32), cache_LBSY

@@ -56,8 +56,8 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 def acceptance_from_throughput(tok_s: Sequence[float], cycle_s: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """Invert measurements of depths 1..K (tokens/s and cycle seconds at each depth) into tokens per cycle E(k) and
-    the implied conditional rates a_k = (E(k) - E(k-1)) / (E(k-1) - E(k-2)) (with E(0) = 1, E(-1) = 0)."""
+    """Invert measurements of depths k = 1, 2, .. (tokens/s and cycle seconds at each depth) into tokens per cycle E(k)
+    and the implied conditional rates a_k = (E(k) - E(k-1)) / (E(k-1) - E(k-2)) (with E(0) = 1, E(-1) = 0)."""
     e = np.asarray(tok_s, np.float64) * np.asarray(cycle_s, np.float64)
     prev = np.concatenate([[0.0, 1.0], e])
     marginal = np.diff(prev)[1:]  # prod_{i<=k} a_i = E(k) - E(k-1)

@@ -2,7 +2,7 @@
 
 Each phase runs `inner` times inside one compiled `fori_loop` whose carry feeds its output back in (so nothing is
 loop-invariant and per-call dispatch is amortised), with warm-up calls first and the median over `reps` calls.
-The phases are the ones `jaxspec.decoding.spec_loop` runs per cycle: a drafter step, verify of T = k+1 tokens
+The phases are the functions `jaxspec.decoding.spec_loop` composes per cycle: a drafter step, verify of T = k+1 tokens
 (capturing the drafter's target layers), draft-extend over T tokens, the accept/commit/counter bookkeeping, and a plain
 decode step (k = 0's verify). Each phase compiles once per `PhaseTimer` and keeps its state, so it can be re-timed
 cheaply many times (the tuner times the phases after every few cycles of the real loop).
@@ -17,11 +17,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.spec_loop import LoopConfig, LoopState, SpecLoop
+from jaxspec.decoding.spec_loop import (
+    LoopConfig,
+    LoopState,
+    accept_commit,
+    count_acceptance,
+    draft_extend,
+    draft_step,
+    target_forward,
+)
+from jaxspec.runtime import Drafter, Target
 
 
 def median_seconds(fn: Callable[..., Any], state: tuple, *, warmup: int = 1, reps: int = 5) -> float:
@@ -42,15 +50,23 @@ def median_seconds(fn: Callable[..., Any], state: tuple, *, warmup: int = 1, rep
 class PhaseTimer:
     """Compiles and times the phases of one (target, drafter) pair at a batch size and cache length."""
 
-    def __init__(self, target, drafter, *, batch: int, cache_len: int, context: int | None = None, inner: int = 8):
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        *,
+        batch: int,
+        cache_len: int,
+        context: int | None = None,
+        inner: int = 8,
+    ):
         if batch % target.mesh.shape["data"]:
             raise ValueError(f"batch {batch} is not divisible by the mesh's data axis ({target.mesh.shape['data']})")
         self.target, self.drafter = target, drafter
         self.batch, self.cache_len, self.inner = batch, cache_len, inner
         self.context = cache_len // 2 if context is None else context
-        self.loop = SpecLoop(target, drafter)  # the loop's own helpers (replication, draft token choice)
         self.greedy = Sampling()
-        self.rep = NamedSharding(target.mesh, P())
+        self.rep = NamedSharding(target.mesh, PartitionSpec())
         self.key = jax.device_put(jax.random.key(0), self.rep)
         self._programs: dict[tuple, list] = {}  # phase key -> [compiled, fixed args, carry]
 
@@ -93,8 +109,8 @@ class PhaseTimer:
         target = self.target
 
         def body(params, pos, tokens, cache):
-            out, cache, _ = target.apply(params, tokens, pos, cache, head="argmax")
-            return self.loop._replicated(out), cache
+            out, cache, _ = target_forward(target, params, tokens, pos, cache, greedy=True)
+            return out, cache
 
         def build():
             carry = (self._ids(1), target.init_cache(self.batch, self.cache_len))
@@ -107,10 +123,10 @@ class PhaseTimer:
         target, capture = self.target, self.drafter.capture_layers
 
         def body(params, pos, tokens_BT, cache):
-            out, cache, captured = target.apply(params, tokens_BT, pos, cache, capture=capture, head="argmax")
+            out, cache, captured = target_forward(target, params, tokens_BT, pos, cache, capture=capture, greedy=True)
             # Keep the capture alive (the loop feeds it to draft-extend) without changing the tokens.
             nudge = (jnp.sum(captured[:, :, :1, :1]) * 0).astype(jnp.int32)
-            return self.loop._replicated(out) + nudge, cache
+            return out + nudge, cache
 
         def build():
             carry = (self._ids(tokens), target.init_cache(self.batch, self.cache_len))
@@ -120,32 +136,31 @@ class PhaseTimer:
 
     def draft_step(self, *, warmup: int = 1, reps: int = 5) -> float:
         """One drafter step (1 token from the previous h2) and its greedy draft token choice."""
-        drafter, loop = self.drafter, self.loop
+        drafter = self.drafter
 
-        def body(params, pos, token_B1, hidden_B1D, cache):
-            logits, h2, cache = drafter.apply(params, token_B1, hidden_B1D, pos, cache, first_step=False)
-            ids_B, _ = loop._draft_choose(self.key, logits[:, 0], self.greedy)
-            return ids_B[:, None], loop._replicated(h2).astype(hidden_B1D.dtype), cache
+        def body(params, pos, token_B, hidden_BD, cache):
+            ids_B, _, h2_BD, cache = draft_step(drafter, params, token_B, hidden_BD, pos, cache, self.key, self.greedy)
+            return ids_B, h2_BD.astype(hidden_BD.dtype), cache
 
         def build():
-            hidden = self._put(jnp.zeros((self.batch, 1, drafter.config.hidden_size), drafter.dtype) + 0.01)
-            carry = (self._ids(1), hidden, drafter.init_cache(self.batch, self.cache_len))
+            hidden = self._put(jnp.zeros((self.batch, drafter.config.hidden_size), drafter.dtype) + 0.01)
+            carry = (self._ids(1)[:, 0], hidden, drafter.init_cache(self.batch, self.cache_len))
             return body, (drafter.params, self._pos(1)), carry
 
         return self._time(("draft",), build, warmup=warmup, reps=reps)
 
     def extend(self, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
         """Draft-extend over `tokens` (= k+1) tokens with captured target states, then the next first draft."""
-        drafter, loop, cfg = self.drafter, self.loop, self.drafter.config
+        drafter, cfg = self.drafter, self.drafter.config
         width = len(drafter.capture_layers) * cfg.target_hidden_size
 
-        def body(params, pos, pick_B, tokens_BT, aux_BTX, cache):
-            logits, h2, cache = drafter.apply(params, tokens_BT, aux_BTX, pos, cache, first_step=True)
-            pick = lambda x: jnp.take_along_axis(loop._replicated(x), pick_B[:, None, None], axis=1)[:, 0]  # noqa: E731
-            draft_B, _ = loop._draft_choose(self.key, pick(logits), self.greedy)
+        def body(params, pos, pick_B, tokens_BT, aux_BTI, cache):
+            draft_B, _, h2_BD, cache = draft_extend(
+                drafter, params, tokens_BT, aux_BTI, pos, cache, pick_B, self.key, self.greedy
+            )
             tokens_BT = tokens_BT.at[:, 0].set(draft_B)
-            aux_BTX = aux_BTX + (jnp.sum(pick(h2)) * 0).astype(aux_BTX.dtype)
-            return tokens_BT, aux_BTX, cache
+            aux_BTI = aux_BTI + (jnp.sum(h2_BD) * 0).astype(aux_BTI.dtype)
+            return tokens_BT, aux_BTI, cache
 
         def build():
             rng = np.random.default_rng(1)
@@ -159,15 +174,15 @@ class PhaseTimer:
     def bookkeeping(self, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
         """The loop's work outside the model calls in a greedy cycle verifying `tokens` (= k+1) tokens: accept,
         commit (token buffer, lengths, stop and budget checks) and the acceptance counters (the model's t_other)."""
-        loop, J, B, S = self.loop, tokens - 1, self.batch, self.cache_len
+        J, B, S = tokens - 1, self.batch, self.cache_len
         if tokens + 2 > S:
             raise ValueError(f"bookkeeping: {tokens} tokens do not fit a buffer of {S}")
         cfg = LoopConfig(J, self.greedy, tuple(self.target.config.stop_token_ids), self.context, self.context)
 
         def body(draft_BJ, out_BT, s):
-            accepted_B, _, active_B, c = loop._accept_commit(cfg, s, draft_BJ, [], out_BT, self.key)
+            accepted_B, _, active_B, c = accept_commit(cfg, s, draft_BJ, [], out_BT, self.key)
             wrap = lambda x: 1 + (x - 1) % (S - tokens - 2)  # noqa: E731  (stay inside the buffer however long it runs)
-            counts = loop._count(J, s, accepted_B, active_B)
+            counts = count_acceptance(J, s, accepted_B, active_B)
             return (c.replace(end_B=wrap(c.end_B), length_B=wrap(c.length_B), **counts),)
 
         def build():
@@ -189,7 +204,7 @@ class PhaseTimer:
                 cycles=self._put(np.zeros((), np.int32)),
                 reached_J=self._put(np.zeros((J,), np.int32)),
                 accepted_J=self._put(np.zeros((J,), np.int32)),
-                accept_hist_A=self._put(np.zeros((J + 1,), np.int32)),
+                accept_hist_T=self._put(np.zeros((J + 1,), np.int32)),
             )
             return body, (self._ids(J), self._ids(J + 1)), (state,)
 

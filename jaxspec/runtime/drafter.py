@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, KVCache, Split, concat_captured
 from jaxspec.runtime.target import Target
-from sharding.mesh import DATA, MODEL
+from sharding.mesh import DATA
 from sharding.rules import ShardingRules
 
 
@@ -58,7 +58,7 @@ class Drafter:
     @property
     def split(self) -> Split:
         """Which drafter dimensions are split over the mesh's model axis (those that divide it)."""
-        return Split.plan(self.config, self.mesh.shape[MODEL], self.rules)
+        return Split.plan(self.config, self.mesh.shape[self.rules.model_axis], self.rules)
 
     @property
     def param_rules(self) -> ShardingRules:
@@ -126,7 +126,7 @@ class Drafter:
         than the target's."""
         if (d2t is None) != cfg.full_vocab:
             raise ValueError("d2t: required exactly when draft_vocab_size < vocab_size")
-        split = Split.plan(cfg, target.mesh.shape[MODEL], target.rules)
+        split = Split.plan(cfg, target.mesh.shape[target.rules.model_axis], target.rules)
         graphdef, abstract = nnx.split(
             nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0)))
         )
@@ -152,7 +152,7 @@ class Drafter:
 
         `embed` and `lm_head`, when absent from `host`, are the target's arrays (same buffers, never copied)."""
         mesh, shared = target.mesh, tuple(k for k in ("embed", "lm_head") if k not in host)
-        split = Split.plan(cfg, mesh.shape[MODEL], target.rules)
+        split = Split.plan(cfg, mesh.shape[target.rules.model_axis], target.rules)
         graphdef, abstract = nnx.split(
             nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0)))
         )
@@ -177,7 +177,7 @@ class Drafter:
 
         `aux_hidden` [B,T,X*Dt] are the target states of `capture_layers` concatenated low -> high.
         """
-        tokens = self._tokens(token_ids)
+        tokens = self.device_tokens(token_ids)
         return _jit_logits(self, self.params, jnp.asarray(aux_hidden), tokens)
 
     def aux_hidden(self, token_ids) -> jax.Array:
@@ -186,7 +186,7 @@ class Drafter:
 
     def forward(self, token_ids, hidden, positions, cache: KVCache, *, first_step: bool):
         """One cached step (see `apply`): returns (logits [B,T,U], h2 [B,T,D], new cache). The cache is donated."""
-        tokens = self._tokens(token_ids)
+        tokens = self.device_tokens(token_ids)
         pos = jnp.asarray(positions, jnp.int32)
         if pos.shape != tokens.shape:
             raise ValueError(f"positions: expected shape {tokens.shape}, got {pos.shape}")
@@ -211,7 +211,7 @@ class Drafter:
         offsets = jnp.asarray(self.d2t).at[draft_ids].get(out_sharding=jax.typeof(draft_ids).sharding)
         return draft_ids + offsets.astype(draft_ids.dtype)
 
-    def _tokens(self, token_ids) -> jax.Array:
+    def device_tokens(self, token_ids) -> jax.Array:
         arr = np.asarray(token_ids)
         arr = arr[None] if arr.ndim == 1 else arr
         if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):

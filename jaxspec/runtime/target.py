@@ -24,7 +24,7 @@ from jaxspec.models.kimi import KimiModel
 from jaxspec.models.mla import KV_BLOCK, AttnImpl
 from jaxspec.models.quant import Int4Array
 from sharding.collectives import sharded_argmax, sharded_top_k
-from sharding.mesh import DATA, MODEL, single_device_mesh
+from sharding.mesh import DATA, single_device_mesh
 from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
 
 # Above this many query tokens a call attends in the expanded (prefill) form, at or below it in the absorbed form.
@@ -50,9 +50,13 @@ class Target:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def abstract_model(cfg: KimiConfig, dtype, int4_experts: bool | None) -> nnx.Module:
+    def abstract_model(
+        cfg: KimiConfig, dtype, int4_experts: bool | None, rules: ShardingRules = DEFAULT_RULES
+    ) -> nnx.Module:
         """The model's structure with ShapeDtypeStruct leaves (nothing allocated)."""
-        return nnx.eval_shape(lambda: KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(
+            lambda: KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rules=rules, rngs=nnx.Rngs(0))
+        )
 
     @classmethod
     def param_specs(cls, params: Any, rules: ShardingRules = DEFAULT_RULES) -> Any:
@@ -73,9 +77,11 @@ class Target:
         """Randomly initialised weights, created directly in their shardings."""
         mesh = mesh or single_device_mesh()
         check_mesh(cfg, mesh, rules)
-        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts))
+        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts, rules))
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cls.param_specs(abstract, rules))
-        make = lambda: nnx.state(KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rngs=nnx.Rngs(seed)))  # noqa: E731
+        make = lambda: nnx.state(  # noqa: E731
+            KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rules=rules, rngs=nnx.Rngs(seed))
+        )
         params = jax.jit(make, out_shardings=shardings)()
         return cls(cfg, mesh, graphdef, params, rules)
 
@@ -161,7 +167,7 @@ class Target:
         params,
         tokens_BT,
         pos_BT,
-        cache_LBSK=None,
+        cache_LBSY=None,
         *,
         capture: Sequence[int] = (),
         impl: AttnImpl | None = None,
@@ -174,9 +180,9 @@ class Target:
         With a cache, attention reads only the live prefix, in blocks of `kv_block` positions (see mla.py)."""
         impl = impl or ("absorbed" if tokens_BT.shape[1] <= ABSORBED_MAX_TOKENS else "expanded")
         batch, capture = self.rules.batch, tuple(int(c) for c in capture)
-        cache_spec = None if cache_LBSK is None else self.cache_spec()
+        cache_spec = None if cache_LBSY is None else self.cache_spec()
         if head == "logits":
-            head_spec = P(batch, None, MODEL)
+            head_spec = P(batch, None, self.rules.model_axis)
         elif head == "argmax":
             head_spec = P(batch, None)
         elif isinstance(head, int) and head > 0:
@@ -188,21 +194,21 @@ class Target:
             model = nnx.merge(self.graphdef, params)
             logits, cache, captured = model(tokens, pos, cache, capture=capture, impl=impl, kv_block=kv_block)
             if head == "argmax":
-                logits = sharded_argmax(logits, MODEL)
+                logits = sharded_argmax(logits, self.rules.model_axis)
             elif head != "logits":
-                logits = sharded_top_k(logits, head, MODEL)
+                logits = sharded_top_k(logits, head, self.rules.model_axis)
             return logits, cache, captured
 
         reshard = lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
         tokens_BT, pos_BT = reshard(tokens_BT, P(batch, None)), reshard(pos_BT, P(batch, None))
-        cache_LBSK = reshard(cache_LBSK, cache_spec)
+        cache_LBSY = reshard(cache_LBSY, cache_spec)
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
             in_specs=(self.param_specs(params, self.rules), P(batch, None), P(batch, None), cache_spec),
             out_specs=(head_spec, cache_spec, P(None, batch, None, None)),
         )
-        return fn(params, tokens_BT, pos_BT, cache_LBSK)
+        return fn(params, tokens_BT, pos_BT, cache_LBSY)
 
     def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits"):
         """AOT-compile one cached step (decode: tokens=1; verify: k+1) for abstract inputs; nothing is allocated
@@ -221,7 +227,7 @@ class Target:
     # ------------------------------------------------------------------ user entry points
     def logits(self, token_ids) -> jax.Array:
         """Full forward, no cache: logits [B, T, V] for token ids [B, T] (or [T])."""
-        tokens = self._tokens(token_ids)
+        tokens = self.device_tokens(token_ids)
         return _jit_logits(self, self.params, tokens)
 
     def hidden_states(self, token_ids, layers: Sequence[int]) -> tuple[jax.Array, ...]:
@@ -230,7 +236,7 @@ class Target:
         bad = [x for x in layers if not 0 <= x < self.config.num_hidden_layers]
         if bad:
             raise ValueError(f"layers {bad} out of range [0, {self.config.num_hidden_layers})")
-        captured = _jit_hidden(self, self.params, self._tokens(token_ids), layers)
+        captured = _jit_hidden(self, self.params, self.device_tokens(token_ids), layers)
         return tuple(captured[i] for i in range(len(layers)))
 
     def init_cache(self, batch: int, max_len: int) -> jax.Array:
@@ -242,7 +248,7 @@ class Target:
     def forward(self, token_ids, positions, cache, *, capture: Sequence[int] = (), impl: AttnImpl | None = None):
         """One cached step: write T tokens at `positions` [B, T] (contiguous per sequence) and return
         (logits [B,T,V], new cache, captured [X,B,T,D]). The input cache is donated."""
-        tokens = self._tokens(token_ids)
+        tokens = self.device_tokens(token_ids)
         pos = jnp.asarray(positions, jnp.int32)
         if pos.shape != tokens.shape:
             raise ValueError(f"positions: expected shape {tokens.shape}, got {pos.shape}")
@@ -250,7 +256,7 @@ class Target:
             raise ValueError(f"cache holds {cache.shape[2]} positions, step writes up to {int(jnp.max(pos))}")
         return _jit_forward(self, self.params, tokens, pos, cache, tuple(capture), impl)
 
-    def _tokens(self, token_ids) -> jax.Array:
+    def device_tokens(self, token_ids) -> jax.Array:
         arr = np.asarray(token_ids)
         if arr.ndim == 1:
             arr = arr[None]

@@ -36,7 +36,7 @@ from jaxspec.decoding.spec_loop import LoopConfig, LoopState, SpecLoop
 
 log = logging.getLogger("jaxspec.serving")
 
-MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own), the width K of LoopState.stop_BK
+MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own), the width of LoopState.stop_ids
 
 
 class QueueFull(RuntimeError):
@@ -131,8 +131,8 @@ class Engine:
         self.drafter = drafter if config.num_steps else None
         self.stop_ids = tuple(sorted(set(target.config.stop_token_ids) | set(stop_ids)))
         self.loop = SpecLoop(target, self.drafter)
-        C = config.prefill_chunk
-        self.loop_cfg = LoopConfig(config.num_steps, None, self.stop_ids, C, C)
+        chunk = config.prefill_chunk
+        self.loop_cfg = LoopConfig(config.num_steps, None, self.stop_ids, chunk, chunk)
         self._admit = jax.jit(_admit, donate_argnums=0)
         self._finish = jax.jit(lambda done_B, slot: done_B.at[slot].set(True), donate_argnums=0)
         self.state = self._empty_state()
@@ -286,9 +286,9 @@ class Engine:
             cycles=put(np.zeros((), np.int32)),
             reached_J=put(np.zeros((J,), np.int32)),
             accepted_J=put(np.zeros((J,), np.int32)),
-            accept_hist_A=put(np.zeros((J + 1,), np.int32)),
+            accept_hist_T=put(np.zeros((J + 1,), np.int32)),
             row_sampling=jax.tree.map(put, RowSampling.of([Sampling()] * B)),
-            stop_BK=put(np.full((B, MAX_STOP_IDS), -1, np.int32)),
+            stop_ids=put(np.full((B, MAX_STOP_IDS), -1, np.int32)),
         )
 
     def _apply_cancels(self) -> None:
@@ -396,7 +396,7 @@ class Engine:
 
     def _read_counters(self) -> None:
         s = self.state
-        counters = tuple(np.asarray(x) for x in (s.cycles, s.reached_J, s.accepted_J, s.accept_hist_A))
+        counters = tuple(np.asarray(x) for x in (s.cycles, s.reached_J, s.accepted_J, s.accept_hist_T))
         if self.metrics is not None and self._counters is not None:
             self.metrics.observe_cycles(*(new - old for new, old in zip(counters, self._counters, strict=True)))
         self._counters = counters
@@ -427,7 +427,7 @@ class Engine:
 _ROW_DTYPES = (np.int32, np.int32, np.int32, np.float32, np.int32, np.float32, np.int32, np.uint32)
 
 
-def _admit(state: LoopState, slot, tokens_S, prompt_len, max_new, temperature, top_k, top_p, stop_K, seed):
+def _admit(state: LoopState, slot, tokens_S, prompt_len, max_new, temperature, top_k, top_p, stop_ids_row, seed):
     """Write one admitted request into row `slot`: prompt, budget, sampling settings, stop ids, key. The row stays
     done (cycles skip it) until its last prefill chunk; its length is the prompt length, so the positions that
     riding-along cycles overwrite lie past the prompt (and are rewritten before they are read)."""
@@ -444,11 +444,11 @@ def _admit(state: LoopState, slot, tokens_S, prompt_len, max_new, temperature, t
         row_sampling=RowSampling(
             set_(rows.temperature_B, temperature), set_(rows.top_k_B, top_k), set_(rows.top_p_B, top_p)
         ),
-        stop_BK=set_(state.stop_BK, stop_K),
+        stop_ids=set_(state.stop_ids, stop_ids_row),
     )
 
 
-_NOT_PER_ROW = ("cycles", "reached_J", "accepted_J", "accept_hist_A")
+_NOT_PER_ROW = ("cycles", "reached_J", "accepted_J", "accept_hist_T")
 
 
 def _row_axis(name: str) -> int | None:

@@ -61,17 +61,17 @@ class Metrics:
         self._totals = np.zeros(2)  # row cycles, accepted drafts since start
         self._per_position = np.zeros((2, num_steps))  # reached, accepted since start
 
-    def observe_cycles(self, cycles, reached_J, accepted_J, hist_A) -> None:
+    def observe_cycles(self, cycles, reached_J, accepted_J, hist_T) -> None:
         """Counter deltas of one engine step (from the loop state's counters)."""
         self.cycles.inc(int(cycles))
-        row_cycles = int(np.sum(hist_A))
+        row_cycles = int(np.sum(hist_T))
         self.row_cycles.inc(row_cycles)
         self._per_position += (reached_J, accepted_J)
         for j in range(self.num_steps):
             self.reached.labels(str(j + 1)).inc(int(reached_J[j]))
             self.accepted.labels(str(j + 1)).inc(int(accepted_J[j]))
             self.rate.labels(str(j + 1)).set(self._per_position[1, j] / max(self._per_position[0, j], 1))
-        self._totals += (row_cycles, float(np.dot(hist_A, np.arange(len(hist_A)))))
+        self._totals += (row_cycles, float(np.dot(hist_T, np.arange(len(hist_T)))))
         if self._totals[0]:
             self.mean_accepted_length.set(1 + self._totals[1] / self._totals[0])
 

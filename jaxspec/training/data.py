@@ -243,7 +243,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """A loaded dataset: ids int32 [N, T], loss_mask bool [N, T], and the manifest."""
+    """A loaded dataset: ids int32 [B, T], loss_mask bool [B, T] (B = all its sequences), and the manifest."""
 
     ids: np.ndarray
     loss_mask: np.ndarray

@@ -52,7 +52,7 @@ from jaxspec.runtime import Drafter, Target
 from jaxspec.training.data import load_dataset, target_fingerprint
 from jaxspec.training.ttt import combine_terms, restrict_to_draft_vocab, ttt_forward, ttt_loss_terms
 from jaxspec.training.vocab import build_draft_vocab, draft_to_target_ids
-from sharding.mesh import DATA, MODEL
+from sharding.mesh import DATA
 
 TRAIN_CONFIG = "train_config.json"
 TRAIN_LOG = "train_log.jsonl"
@@ -202,9 +202,9 @@ def _target_side(plan: _Plan, tparams, ids_BT, draft_ids_U, t2d_V):
         tparams, ids_BT, pos_BT, None, capture=plan.config.capture_layers, impl="expanded"
     )
     restrict = jax.shard_map(
-        restrict_to_draft_vocab,
+        functools.partial(restrict_to_draft_vocab, axis=target.rules.model_axis),
         mesh=target.mesh,
-        in_specs=(P(batch, None, MODEL), P(), P()),
+        in_specs=(P(batch, None, target.rules.model_axis), P(), P()),
         out_specs=(P(batch, None, None), P(batch, None)),
     )
     tgt_BTU, in_vocab_BT = restrict(logits_BTV, draft_ids_U, t2d_V)
@@ -507,7 +507,7 @@ def _init_params(cfg: Eagle3Config, key: jax.Array) -> dict[str, jax.Array]:
 
 def _export_drafter(cfg: Eagle3Config, target: Target, params: dict[str, jax.Array], d2t, dtype) -> Drafter:
     """The trained weights as a Drafter in `dtype`, laid out like an inference drafter on the target's mesh."""
-    split = Split.plan(cfg, target.mesh.shape[MODEL], target.rules)
+    split = Split.plan(cfg, target.mesh.shape[target.rules.model_axis], target.rules)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0))))
     specs = Target.param_specs(abstract, target.rules)
 

@@ -13,10 +13,10 @@ attention keys are [step-0 keys (causal)] + [row t's keys of steps 1..j]. The lo
 the target's softmax at position t+1+j restricted to the draft vocabulary (renormalised), where token t+2+j is a
 response token (loss mask) and the target's argmax at t+1+j is in the draft vocabulary; step j weighs 0.8^j.
 
-`ttt_forward` uses an `Eagle3Model`'s own parameters (through `nnx.merge`; no copies) in float32. It runs per
-device inside a shard_map with the mesh's "model" axis bound: the embedding may be vocab-split (its lookup sums over
-"model"); every other drafter weight must be whole (the trainer replicates them: data-parallel training).
-"""
+`ttt_forward` runs the drafter's own layer math (`Eagle3Model.layer_input` ... `head`, the code inference runs) on its
+parameters (through `nnx.merge`; no copies) in float32. It runs per device inside a shard_map with the mesh's model
+axis (`ShardingRules.model_axis`) bound: the embedding may be vocab-split (its lookup sums over that axis); every
+other drafter weight must be whole (the trainer replicates them: data-parallel training)."""
 
 from __future__ import annotations
 
@@ -25,19 +25,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxspec.models import rope
-from jaxspec.models.eagle3 import Eagle3Model
-from jaxspec.models.kimi import embed_lookup
-from jaxspec.models.layers import rms_norm, swiglu
-from jaxspec.models.quant import einsum as ein
+from jaxspec.models.eagle3 import Eagle3Model, attention, float32, gqa_scores, group_queries
+from jaxspec.models.layers import NEG_INF
 from sharding.collectives import sharded_argmax
-from sharding.mesh import MODEL
+from sharding.rules import DEFAULT_RULES
 
 STEP_WEIGHT = 0.8  # loss weight of step j is STEP_WEIGHT ** j
-_NEG_INF = -1e30
 
 
 def shift_left(x: jax.Array, n: int, fill=0) -> jax.Array:
@@ -60,53 +55,35 @@ def ttt_forward(model: Eagle3Model, tokens_BT: jax.Array, aux_BTI: jax.Array, de
     cfg = model.config
     if cfg.mla is not None:
         raise NotImplementedError("training an MLA drafter: the training-time test runs the Llama drafter's attention")
-    eps = cfg.rms_norm_eps
-    f32 = lambda var: var[...].astype(jnp.float32)  # noqa: E731
     B, T = tokens_BT.shape
-    freqs = jnp.asarray(model.rope_freqs, jnp.float32)
-    with jax.named_scope("fc"):
-        h_BTD = ein("BTI,ID->BTD", aux_BTI.astype(jnp.float32), f32(model.fc))
+    h_BTD = model.fuse_captured(aux_BTI, jnp.float32, float32)
     keys, values, logits = [], [], []
     for j in range(depth):
         with jax.named_scope(f"ttt_step_{j}"):
-            tok_BT = shift_left(tokens_BT, 1 + j)
+            e_BTD = model.embed_tokens(shift_left(tokens_BT, 1 + j), jnp.float32)
+            a_BTW, residual_BTD = model.layer_input(e_BTD, h_BTD, float32)
             pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + j, (B, T))
-            e_BTD = embed_lookup(model.embed[...], tok_BT).astype(jnp.float32)
-            hn_BTD = rms_norm(h_BTD, f32(model.hidden_norm), eps)
-            residual_BTD = hn_BTD if cfg.norm_before_residual else h_BTD
-            a_BTW = jnp.concatenate([rms_norm(e_BTD, f32(model.input_norm), eps), hn_BTD], axis=-1)
-
-            cos, sin = rope.cos_sin(pos_BT, freqs, model.rope_factor)
-            cos, sin = cos[:, :, None], sin[:, :, None]
-            q_BTNZ = rope.apply_half(ein("BTW,WNZ->BTNZ", a_BTW, f32(model.q)), cos, sin)
-            keys.append(rope.apply_half(ein("BTW,WOZ->BTOZ", a_BTW, f32(model.k)), cos, sin))
-            values.append(ein("BTW,WOZ->BTOZ", a_BTW, f32(model.v)))
-            out_BTNZ = _ttt_attention(q_BTNZ, keys, values)
-            h1_BTD = residual_BTD + ein("BTNZ,NZD->BTD", out_BTNZ, f32(model.o))
-
-            x_BTD = rms_norm(h1_BTD, f32(model.post_attn_norm), eps)
-            y_BTF = swiglu(ein("BTD,DF->BTF", x_BTD, f32(model.gate)), ein("BTD,DF->BTF", x_BTD, f32(model.up)))
-            h2_BTD = h1_BTD + ein("BTF,FD->BTD", y_BTF, f32(model.down))
-            x_BTD = rms_norm(h2_BTD, f32(model.final_norm), eps)
-            logits.append(ein("BTD,DU->BTU", x_BTD, f32(model.lm_head)))
-            h_BTD = h2_BTD
+            q_BTNZ, k_BTOZ, v_BTOZ = model.project_qkv(a_BTW, pos_BT, float32)
+            keys.append(k_BTOZ)
+            values.append(v_BTOZ)
+            attn_BTD = model.project_out(_ttt_attention(q_BTNZ, keys, values), float32)
+            # The trainer replicates every weight but the embedding: nothing to reduce over the model axis.
+            h1_BTD = model.add_attention(residual_BTD, attn_BTD, jnp.float32, reduce=False)
+            h_BTD = model.mlp(h1_BTD, jnp.float32, float32, reduce=False)
+            logits.append(model.head(h_BTD, float32))
     return jnp.stack(logits)
 
 
 def _ttt_attention(q_BTNZ: jax.Array, keys: list[jax.Array], values: list[jax.Array]) -> jax.Array:
     """Step j = len(keys) - 1: attend to step-0 keys causally and to row t's own keys of steps 1..j."""
     B, T, N, Z = q_BTNZ.shape
-    O = keys[0].shape[2]  # noqa: E741
-    q_BTOPZ = q_BTNZ.reshape(B, T, O, N // O, Z)
-    scale = Z**-0.5
-    s_BOPTS = jnp.einsum("BTOPZ,BSOZ->BOPTS", q_BTOPZ, keys[0]) * scale
-    causal_TS = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-    s_BOPTS = jnp.where(causal_TS, s_BOPTS, _NEG_INF)
+    causal_1TS = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]
     if len(keys) == 1:
-        p_BOPTS = jax.nn.softmax(s_BOPTS, axis=-1)
-        return jnp.einsum("BOPTS,BSOZ->BTOPZ", p_BOPTS, values[0]).reshape(B, T, N, Z)
+        return attention(q_BTNZ, keys[0], values[0], causal_1TS)
+    q_BTOPZ = group_queries(q_BTNZ, keys[0].shape[2])
+    s_BOPTS = jnp.where(causal_1TS[:, None, None], gqa_scores(q_BTOPZ, keys[0]), NEG_INF)
     k_JBTOZ, v_JBTOZ = jnp.stack(keys[1:]), jnp.stack(values[1:])
-    s_BOPTJ = jnp.einsum("BTOPZ,JBTOZ->BOPTJ", q_BTOPZ, k_JBTOZ) * scale
+    s_BOPTJ = jnp.einsum("BTOPZ,JBTOZ->BOPTJ", q_BTOPZ, k_JBTOZ) * Z**-0.5
     p = jax.nn.softmax(jnp.concatenate([s_BOPTS, s_BOPTJ], axis=-1), axis=-1)
     out_BTOPZ = jnp.einsum("BOPTS,BSOZ->BTOPZ", p[..., :T], values[0]) + jnp.einsum(
         "BOPTJ,JBTOZ->BTOPZ", p[..., T:], v_JBTOZ
@@ -116,16 +93,17 @@ def _ttt_attention(q_BTNZ: jax.Array, keys: list[jax.Array], values: list[jax.Ar
 
 # ----------------------------------------------------------------------------------------------- the target side
 def restrict_to_draft_vocab(
-    logits_BTV: jax.Array, draft_ids_U: jax.Array, t2d_V: jax.Array
+    logits_BTV: jax.Array, draft_ids_U: jax.Array, t2d_V: jax.Array, *, axis: str = DEFAULT_RULES.model_axis
 ) -> tuple[jax.Array, jax.Array]:
-    """Per device (vocab split over "model"): the target's fp32 logits at the draft vocabulary's target ids
-    [B,T,U] (every device gets all U) and whether the target's argmax is in the draft vocabulary [B,T]."""
+    """Per device (vocab split over mesh axis `axis`, the rules' `model_axis`): the target's fp32 logits at the draft
+    vocabulary's target ids [B,T,U] (every device gets all U) and whether the target's argmax is in the draft
+    vocabulary [B,T]."""
     V_local = logits_BTV.shape[-1]
-    local_U = draft_ids_U - jax.lax.axis_index(MODEL) * V_local
+    local_U = draft_ids_U - jax.lax.axis_index(axis) * V_local
     mine_U = (local_U >= 0) & (local_U < V_local)
     rows_BTU = jnp.take(logits_BTV, jnp.clip(local_U, 0, V_local - 1), axis=-1).astype(jnp.float32)
-    restricted_BTU = jax.lax.psum(jnp.where(mine_U, rows_BTU, 0.0), MODEL)
-    argmax_BT = sharded_argmax(logits_BTV, MODEL)
+    restricted_BTU = jax.lax.psum(jnp.where(mine_U, rows_BTU, 0.0), axis)
+    argmax_BT = sharded_argmax(logits_BTV, axis)
     return restricted_BTU, jnp.take(t2d_V, argmax_BT)
 
 
@@ -166,7 +144,7 @@ def combine_terms(terms: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax
 # ----------------------------------------------------------------------------------------------- convenience
 def ttt_logits(drafter, token_ids, aux_hidden, depth: int) -> jax.Array:
     """The TTT unroll of a `Drafter` on its mesh: fp32 logits [J, B, T, U] (see `ttt_forward`)."""
-    tokens = drafter._tokens(token_ids)
+    tokens = drafter.device_tokens(token_ids)
     aux = jnp.asarray(aux_hidden)
     width = len(drafter.capture_layers) * drafter.config.target_hidden_size
     if aux.shape != (*tokens.shape, width):
@@ -174,9 +152,12 @@ def ttt_logits(drafter, token_ids, aux_hidden, depth: int) -> jax.Array:
     return _jit_ttt_logits(drafter, drafter.params, tokens, aux, depth)
 
 
-def drafter_param_specs(drafter, params) -> dict[str, P]:
+def drafter_param_specs(drafter, params) -> dict[str, PartitionSpec]:
     """shard_map specs for TTT: the embedding keeps its (vocab-split) layout, every other weight is whole."""
-    return {k: drafter.rules.spec(v.get_metadata()["logical_axes"]) if k == "embed" else P() for k, v in params.items()}
+    return {
+        k: drafter.rules.spec(v.get_metadata()["logical_axes"]) if k == "embed" else PartitionSpec()
+        for k, v in params.items()
+    }
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -191,12 +172,12 @@ def _jit_ttt_logits(drafter, params, tokens_BT, aux_BTI, depth):
         model = nnx.merge(drafter.graphdef, nnx.State({k: nnx.Param(v) for k, v in params.items()}))
         return ttt_forward(model, tokens, aux, depth)
 
-    tokens_BT = jax.sharding.reshard(tokens_BT, NamedSharding(mesh, P(batch, None)))
-    aux_BTI = jax.sharding.reshard(aux_BTI, NamedSharding(mesh, P(batch, None, None)))
+    tokens_BT = jax.sharding.reshard(tokens_BT, NamedSharding(mesh, PartitionSpec(batch, None)))
+    aux_BTI = jax.sharding.reshard(aux_BTI, NamedSharding(mesh, PartitionSpec(batch, None, None)))
     fn = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(specs, P(batch, None), P(batch, None, None)),
-        out_specs=P(None, batch, None, None),
+        in_specs=(specs, PartitionSpec(batch, None), PartitionSpec(batch, None, None)),
+        out_specs=PartitionSpec(None, batch, None, None),
     )
     return fn(params, tokens_BT, aux_BTI)

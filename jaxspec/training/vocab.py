@@ -25,7 +25,7 @@ def token_counts(token_ids, loss_mask, vocab_size: int) -> np.ndarray:
 
 
 def build_draft_vocab(token_ids, loss_mask, draft_vocab_size: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d2t int64 [U], t2d bool [V]) from token ids and their loss mask (any matching shapes, e.g. [N, T])."""
+    """(d2t int64 [U], t2d bool [V]) from token ids and their loss mask (any matching shapes, e.g. [B, T])."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int | np.integer) or vocab_size < 1:
         raise ValueError(f"vocab_size: expected a positive integer, got {vocab_size!r}")
     U = draft_vocab_size

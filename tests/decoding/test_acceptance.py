@@ -114,7 +114,7 @@ def _cycle(key, ctx_N, target_VV, draft_VV, sampling, depth, draft_mode):
     return emitted_NT, accepted_N, redrawn_N
 
 
-def _chisquare_pvalue(tokens_N, probs) -> float:
+def chisquare_pvalue(tokens_N, probs) -> float:
     """p-value of "tokens_N are iid draws from probs" (flat cells); 0 if a zero-probability cell was drawn."""
     probs = np.asarray(probs, np.float64).ravel()
     probs /= probs.sum()
@@ -139,8 +139,8 @@ def _pvalues(sampling, depth, draft_mode="sampled", drafter="noisy"):
     emitted2_NT, _, _ = cycle(2, emitted1_NT[:, 0])
     second_N = np.where(accepted1_N > 0, emitted1_NT[:, min(depth, 1)], emitted2_NT[:, 0])
     p_VV = np.exp(np.asarray(_warp(target_VV, sampling), np.float64))  # row a: p(. | a)
-    first = _chisquare_pvalue(emitted1_NT[:, 0], p_VV[0])
-    joint = _chisquare_pvalue(emitted1_NT[:, 0] * V + second_N, p_VV[0][:, None] * p_VV)
+    first = chisquare_pvalue(emitted1_NT[:, 0], p_VV[0])
+    joint = chisquare_pvalue(emitted1_NT[:, 0] * V + second_N, p_VV[0][:, None] * p_VV)
     return first, joint, int(redrawn_N.sum())
 
 
@@ -163,7 +163,7 @@ def test_speculative_sampling_is_lossless(case):
 
 
 def test_lossless_test_catches_resampling_from_p(monkeypatch):
-    monkeypatch.setattr(acceptance, "_residual", lambda p_BV, q_BV: p_BV)
+    monkeypatch.setattr(acceptance, "residual_distribution", lambda p_BV, q_BV: p_BV)
     _, joint, redrawn = _pvalues(Sampling(temperature=1.0), 3)
     assert joint < ALPHA and redrawn > 0
 
@@ -175,7 +175,7 @@ def test_lossless_test_catches_q_warped_differently_from_p():
 
 def test_residual_falls_back_to_p_when_p_equals_q():
     p_BV = np.random.default_rng(0).dirichlet(np.ones(V), 3).astype(np.float32)
-    assert np.array_equal(acceptance._residual(p_BV, p_BV), p_BV)
+    assert np.array_equal(acceptance.residual_distribution(p_BV, p_BV), p_BV)
     # and a drafter identical to the target is always accepted, with no NaN anywhere
     p_BTV = np.broadcast_to(p_BV[:, None], (3, 3, V))
     accepted_B, next_B = _speculative_accept(jax.random.key(0), np.zeros((3, 2), np.int32), p_BTV[:, :2], p_BTV)
@@ -190,7 +190,7 @@ def test_point_mass_draft_redraws_from_p_without_x():
     )
     rejected = np.asarray(accepted_N) == 0
     assert stats.binomtest(int((~rejected).sum()), n, 0.4).pvalue > ALPHA
-    assert _chisquare_pvalue(np.asarray(next_N)[rejected], [0.0, 0.5, 1 / 3, 1 / 6, 0.0, 0.0]) > ALPHA
+    assert chisquare_pvalue(np.asarray(next_N)[rejected], [0.0, 0.5, 1 / 3, 1 / 6, 0.0, 0.0]) > ALPHA
 
 
 # ---------------------------------------------------------------------------------------------------------------------

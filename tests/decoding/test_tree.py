@@ -26,7 +26,7 @@ from jaxspec.decoding import tree as tr
 from jaxspec.decoding.acceptance import greedy_accept_ids
 from jaxspec.decoding.sampling import Sampling, warp
 from jaxspec.models.mla import write_cache
-from tests.decoding.test_acceptance import _chisquare_pvalue
+from tests.decoding.test_acceptance import chisquare_pvalue
 
 ALPHA = 1e-3  # per statistical assertion, as in test_acceptance.py (whose chi-square helper this file uses)
 N = 200_000
@@ -367,8 +367,8 @@ def tree_pvalues(sampling, topk, num_steps, num_draft_tokens, mode, drafter):
     second_N = np.where(accepted1_N >= 2, path1_NJ[:, min(2, num_steps)], np.where(accepted1_N == 1, next1_N, 0))
     second_N = np.where(accepted1_N == 0, first_of(*cycle(2, first_N)), second_N)
     p_VV = np.exp(np.asarray(jax.jit(warp, static_argnums=1)(target_VV, sampling), np.float64))
-    first = _chisquare_pvalue(first_N, p_VV[0])
-    joint = _chisquare_pvalue(first_N * V + second_N, p_VV[0][:, None] * p_VV)
+    first = chisquare_pvalue(first_N, p_VV[0])
+    joint = chisquare_pvalue(first_N * V + second_N, p_VV[0][:, None] * p_VV)
     return first, joint, float(accepted1_N.mean())
 
 
@@ -407,7 +407,7 @@ def test_tree_sampling_is_lossless_sweep(case):
 @pytest.mark.parametrize("mode", ["sampled", pytest.param("top", marks=pytest.mark.slow)])
 def test_lossless_test_catches_resampling_from_p(monkeypatch, mode):
     """Negative control: after a rejection, drawing from the unchanged residual (not max(0, r - q)) is biased."""
-    monkeypatch.setattr(tr, "_residual", lambda r_V, q_V: r_V)
+    monkeypatch.setattr(tr, "residual_distribution", lambda r_V, q_V: r_V)
     _, joint, _ = tree_pvalues(T1, 2, 2, 7, mode, "noisy")
     assert joint < ALPHA
 

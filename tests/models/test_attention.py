@@ -34,9 +34,9 @@ def layer():
 
 
 @partial(jax.jit, static_argnames=("graphdef", "factor", "impl", "kv_block"))
-def _run(graphdef, params, freqs, x_BTD, pos_BT, cache_LBSK, *, factor, impl, kv_block):
+def _run(graphdef, params, freqs, x_BTD, pos_BT, cache_LBSY, *, factor, impl, kv_block):
     cos_sin = rope.cos_sin(pos_BT, freqs, factor)
-    return nnx.merge(graphdef, params)(x_BTD, cos_sin, pos_BT, cache_LBSK, 1, impl, kv_block=kv_block)
+    return nnx.merge(graphdef, params)(x_BTD, cos_sin, pos_BT, cache_LBSY, 1, impl, kv_block=kv_block)
 
 
 def run(layer, x, pos, cache, impl, kv_block=8):

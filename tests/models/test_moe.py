@@ -123,7 +123,7 @@ def test_xla_loop_runs_one_iteration_per_hit_expert(tokens):
 
     @jax.jit
     def iterations(x, tiles, *weights):
-        run = lambda x, tiles, *w: moe._experts_xla(x, tiles, *w, rows)[1][None]  # noqa: E731
+        run = lambda x, tiles, *w: moe._experts_xla(x, tiles, *w, rows, MODEL)[1][None]  # noqa: E731
         return jax.shard_map(run, mesh=single_device_mesh(), in_specs=P(), out_specs=P(MODEL))(x, tiles, *weights)[0]
 
     n = iterations(jnp.zeros((len(expert), D)), tiles, *weights)

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxspec import KimiConfig
 from jaxspec.decoding import tree as tr
 from jaxspec.models import rope
-from jaxspec.models.mla import MLA, _softmax_finish, _softmax_init, live_blocks
+from jaxspec.models.mla import MLA, live_blocks, softmax_finish, softmax_init
 from jaxspec.models.tree_attention import tree_attention, tree_verify_mla
 
 CFG = KimiConfig.preset("tiny")
@@ -92,11 +92,11 @@ def dense_reference(q_nope, q_rope, cache, fresh, prefix_B, mask_BTS, w_uk, w_uv
 def _tree_core(graphdef, params, q_nope, q_rope, fresh, cache, prefix_B, mask_BTS):
     mla = nnx.merge(graphdef, params)
     q_abs = jnp.einsum("BTNH,CNH->BTNC", q_nope, mla.kv_b_k[...])
-    block_fn = mla._absorbed_block(q_abs, q_rope, C)
+    block_fn = mla.absorbed_block(q_abs, q_rope, C)
     state = tree_attention(
-        block_fn, _softmax_init(q_nope, C), fresh, cache, LAYER, prefix_B, mask_BTS, mla.softmax_scale, BLK, jnp.float32
+        block_fn, softmax_init(q_nope, C), fresh, cache, LAYER, prefix_B, mask_BTS, mla.softmax_scale, BLK, jnp.float32
     )
-    return jnp.einsum("BTNC,CNA->BTNA", _softmax_finish(state, jnp.float32), mla.kv_b_v[...])
+    return jnp.einsum("BTNC,CNA->BTNA", softmax_finish(state, jnp.float32), mla.kv_b_v[...])
 
 
 # (each row's prefix length, tree nodes T, buffer S): prefixes ragged, one empty, block boundaries crossed. The

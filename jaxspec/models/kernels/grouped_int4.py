@@ -71,7 +71,7 @@ def default_backend() -> Backend | None:
 
 
 def _dequant_dot(x_even, x_odd, packed, scale, group_size: int) -> jax.Array:
-    """x_even @ lo + x_odd @ hi in fp32, where lo/hi are bf16(q * scale) of the two nibbles of `packed` [I/2, O]."""
+    """x_even @ lo + x_odd @ hi in fp32, where lo/hi are bf16(q * scale) of the two nibbles of `packed` [in/2, out]."""
     half, o = packed.shape
     p = packed.astype(jnp.int32)
     s = scale.astype(jnp.float32)[:, None, :]  # one scale per group_size/2 packed rows
@@ -97,7 +97,7 @@ def _tile_dot(load, half: int, group_size: int, backend: Backend) -> jax.Array:
     return acc
 
 
-def _row_mask(start, lo, hi, rows: int) -> jax.Array:
+def row_mask(start, lo, hi, rows: int) -> jax.Array:
     r = start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     return (r >= lo) & (r < hi)
 
@@ -111,7 +111,7 @@ def _tpu_kernel(
     def _():
         load = lambda k, ks: (xe_ref[:, k], xo_ref[:, k], p_ref[k, :], s_ref[ks, :])  # noqa: E731
         acc = _tile_dot(load, p_ref.shape[0], group_size, "tpu")
-        keep = _row_mask(s_ref_start[t], lo_ref[t], hi_ref[t], rows)
+        keep = row_mask(s_ref_start[t], lo_ref[t], hi_ref[t], rows)
         o_ref[...] = jnp.where(keep, acc.astype(o_ref.dtype), o_ref[...])
 
 
@@ -127,7 +127,7 @@ def _triton_kernel(
         i = layer_ref[0]
         load = lambda k, ks: (xe_ref[r, k], xo_ref[r, k], p_ref[i, e, k, c], s_ref[i, e, ks, c])  # noqa: E731
         acc = _tile_dot(load, p_ref.shape[2], g, "triton")
-        keep = _row_mask(start, lo_ref[t], hi_ref[t], rows)
+        keep = row_mask(start, lo_ref[t], hi_ref[t], rows)
         pltriton.store(o_ref.at[r, c], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(keep, acc.shape))
 
 
