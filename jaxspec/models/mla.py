@@ -77,18 +77,8 @@ class MLA(nnx.Module):
         `cache_LBSY` is the whole stacked cache (all layers) and `layer` the index of this layer in it: the step
         writes its T entries there and reads back only live blocks, so no per-layer copy of the buffer is made.
         """
-        cos, sin = cos_sin
         C = self.kv_a_norm.shape[0]
-
-        with jax.named_scope("q"):
-            q_nope_BTNH, q_rope_BTNR = self.queries(x_BTD)
-            q_rope_BTNR = rope.apply_interleaved(q_rope_BTNR, cos[:, :, None], sin[:, :, None])
-        with jax.named_scope("kv_latent"):
-            latent_BTC = rms_norm(
-                ein("BTD,DC->BTC", x_BTD, self.kv_a_latent[...]), self.kv_a_norm[...], LATENT_NORM_EPS
-            )
-            k_rope_BTR = rope.apply_interleaved(ein("BTD,DR->BTR", x_BTD, self.kv_a_rope[...]), cos, sin)
-            new_BTY = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
+        q_nope_BTNH, q_rope_BTNR, new_BTY = self.project(x_BTD, cos_sin)
 
         with jax.named_scope(f"attend_{impl}"):
             if impl == "absorbed":
@@ -137,6 +127,20 @@ class MLA(nnx.Module):
             return scores_BNTS, lambda p_BNTS: ein("BNTS,BSNA->BTNA", p_BNTS, v_BSNA)
 
         return block
+
+    def project(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(q_nope [B,T,N,H], rotated q_rope [B,T,N,R], the tokens' cache entries [B,T,Y]: normalised KV latent and
+        rotated shared RoPE key)."""
+        cos, sin = cos_sin
+        with jax.named_scope("q"):
+            q_nope_BTNH, q_rope_BTNR = self.queries(x_BTD)
+            q_rope_BTNR = rope.apply_interleaved(q_rope_BTNR, cos[:, :, None], sin[:, :, None])
+        with jax.named_scope("kv_latent"):
+            latent_BTC = rms_norm(
+                ein("BTD,DC->BTC", x_BTD, self.kv_a_latent[...]), self.kv_a_norm[...], LATENT_NORM_EPS
+            )
+            k_rope_BTR = rope.apply_interleaved(ein("BTD,DR->BTR", x_BTD, self.kv_a_rope[...]), cos, sin)
+        return q_nope_BTNH, q_rope_BTNR, jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
 
     def queries(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(q_nope [B,T,N,H], q_rope before rotation [B,T,N,R]) through the query latent, or q_proj without one."""

@@ -22,9 +22,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import LATENT_NORM_EPS
-from jaxspec.models import rope
-from jaxspec.models.layers import rms_norm
 from jaxspec.models.mla import (
     KV_BLOCK,
     MLA,
@@ -99,15 +96,8 @@ def tree_verify_mla(
     `cos_sin` is RoPE at the tree positions (prefix + depth); the T fresh entries are written at slots prefix + t.
     Mirrors `MLA.__call__`'s absorbed path with the causal mask replaced by the tree's.
     """
-    cos, sin = cos_sin
     C = mla.kv_a_norm.shape[0]
-    with jax.named_scope("q"):
-        q_nope_BTNH, q_rope_BTNR = mla.queries(x_BTD)
-        q_rope_BTNR = rope.apply_interleaved(q_rope_BTNR, cos[:, :, None], sin[:, :, None])
-    with jax.named_scope("kv_latent"):
-        latent_BTC = rms_norm(ein("BTD,DC->BTC", x_BTD, mla.kv_a_latent[...]), mla.kv_a_norm[...], LATENT_NORM_EPS)
-        k_rope_BTR = rope.apply_interleaved(ein("BTD,DR->BTR", x_BTD, mla.kv_a_rope[...]), cos, sin)
-        fresh_BTY = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
+    q_nope_BTNH, q_rope_BTNR, fresh_BTY = mla.project(x_BTD, cos_sin)
     with jax.named_scope("attend_tree"):
         q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, mla.kv_b_k[...])
         slots_BT = prefix_len_B[:, None] + jnp.arange(x_BTD.shape[1], dtype=jnp.int32)
