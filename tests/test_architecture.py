@@ -85,3 +85,20 @@ def test_the_checks_see_the_whole_code_base(graph):
         files = {p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") for p in (ROOT / pkg).rglob("*.py")}
         files = {f.removesuffix(".__init__") for f in files}
         assert files <= graph.modules, sorted(files - graph.modules)
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_longer_than_60_lines_without_a_reason():
+    """A function over 60 lines needs a `# long: <why>` comment on the line above its `def` (or its decorators)."""
+    offenders = []
+    for path in _sources():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and "# long:" not in lines[first - 2]:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+    assert offenders == []
