@@ -20,6 +20,7 @@ from tests.serving.conftest import NUM_STEPS
 
 MODEL = "kimi-py-tiny"
 SLOTS, QUEUE = 4, 16
+CONTEXT = 1024  # room for a request that runs for seconds (the disconnect test)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def server(tmp_path_factory):
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve") / "server.log"
     argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), "--num-steps", str(NUM_STEPS)]
-    argv += ["--max-batch", str(SLOTS), "--batch-buckets", str(SLOTS), "--max-context", "256"]
+    argv += ["--max-batch", str(SLOTS), "--batch-buckets", str(SLOTS), "--max-context", str(CONTEXT)]
     argv += ["--prefill-chunk", "32", "--segment-cycles", "2", "--max-queue", str(QUEUE)]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -123,7 +124,9 @@ def test_sixteen_concurrent_mixed_requests(client, pair, prompts, reference):
 def test_disconnect_mid_stream_frees_the_slot(server):
     _, base, _ = server
     cancelled = metric(base, "jaxspec_requests_total", '{finish_reason="cancelled"}')
-    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True}
+    # Greedy from [5, 6, 7] runs past 1000 tokens without eos: seconds of decoding, so the slot is still held
+    # when the occupancy is read after the first token (200 tokens finished first once decoding got faster).
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": CONTEXT - 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         next(response.iter_lines())  # the first token arrived: the request holds a slot
@@ -145,7 +148,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
         ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "x" * 2000}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x" * 4000}, 400, "prompt"),  # 2000 tokens
         ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
         ({"model": "other", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
