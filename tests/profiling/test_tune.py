@@ -120,6 +120,7 @@ def test_tune_rejects_bad_sweeps(target):
         tune(target, None, PROMPTS, (-1, 0), **FAST)
 
 
+@pytest.mark.slow  # a subprocess per collective preset: ~50 s
 def test_preset_sweep_runs_each_preset_in_its_own_process(tmp_path, monkeypatch):
     """`jaxspec tune --presets`: one child process per collective preset (flags are read when XLA starts), each with
     its own tune.json recording its preset, and presets.json ranking them."""
