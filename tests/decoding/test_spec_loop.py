@@ -66,7 +66,7 @@ def test_greedy_speculative_equals_plain_other_batches(target, drafter, plain, n
     check_lossless(target, drafter, n, 3, plain)
 
 
-@pytest.mark.parametrize("mesh", ["1x8", "2x4"])
+@pytest.mark.parametrize("mesh", ["1x8", pytest.param("2x4", marks=pytest.mark.slow)])  # 2x4: ~30 s, -m slow
 def test_greedy_on_mesh_equals_single_device(target, plain, mesh):
     sharded = target.on_mesh(make_mesh(mesh))
     check_lossless(sharded, random_drafter(sharded), 8, 2, plain)
@@ -81,7 +81,7 @@ def test_greedy_full_sweep(target, plain, mesh, n, k):
     check_lossless(t, random_drafter(t), n, k, plain)
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 4])  # k=1: ~19 s, -m slow
 def test_oracle_drafter_accepts_everything(target, plain, k):
     prompts = PROMPTS[3]
     ref = generate(target, None, prompts, max_new_tokens=NEW + k + 1, num_steps=0).tokens
