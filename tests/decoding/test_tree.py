@@ -302,10 +302,9 @@ def test_compact_path_moves_exactly_the_path(layout):
     np.testing.assert_array_equal(out, want)
 
 
-def test_node_values_follow_the_expanded_nodes():
-    """node_values puts each expanded node's value (here: the drafter's logits row of its token) on that node."""
-    logits = np.random.default_rng(4).standard_normal((V, V)).astype(np.float32)
-    tree, values, _ = build(
+def build_two_rows(logits: np.ndarray):
+    """The two-row tree (roots 1 and 4, topk 2, 3 steps, 7 draft tokens) shared by the tests below (one compile)."""
+    return build(
         logits,
         np.asarray([1, 4], np.int32),
         np.zeros(2, np.int32),
@@ -314,6 +313,12 @@ def test_node_values_follow_the_expanded_nodes():
         num_steps=3,
         num_draft_tokens=7,
     )
+
+
+def test_node_values_follow_the_expanded_nodes():
+    """node_values puts each expanded node's value (here: the drafter's logits row of its token) on that node."""
+    logits = np.random.default_rng(4).standard_normal((V, V)).astype(np.float32)
+    tree, values, _ = build_two_rows(logits)
     tokens, parents, depth, values = map(np.asarray, (tree.tokens_BT, tree.parent_BT, tree.depth_BT, values))
     for b in range(2):
         for t in range(7):
@@ -417,15 +422,7 @@ def test_per_row_keys_make_rows_independent():
     swapping the two rows (keys with them) swaps the results."""
     rng = np.random.default_rng(4)
     logits = rng.standard_normal((V, V)).astype(np.float32)  # the same build as the node_values test (one compile)
-    tree, _, _ = build(
-        logits,
-        np.asarray([1, 4], np.int32),
-        np.zeros(2, np.int32),
-        jax.random.key(0),
-        topk=2,
-        num_steps=3,
-        num_draft_tokens=7,
-    )
+    tree, _, _ = build_two_rows(logits)
     p_BTV = jax.nn.softmax(jnp.asarray(rng.standard_normal((2, 7, V)), jnp.float32))
     keys = jax.random.split(jax.random.key(3), 2)
     accept = jax.jit(tr.speculative_accept_tree)
