@@ -23,6 +23,8 @@ from jaxspec.decoding.spec_loop import LoopConfig, SpecLoop
 from sharding.mesh import DATA
 
 MAX_NUM_STEPS = 16
+MAX_TOPK = 16
+MAX_DRAFT_TOKENS = 64  # tree nodes verified per cycle (the root included)
 MIN_PROMPT_BUCKET = 16
 PREFILL_CHUNK = 256
 
@@ -136,6 +138,8 @@ def generate(
     *,
     max_new_tokens: int = 128,
     num_steps: int = 3,
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -151,6 +155,9 @@ def generate(
     cycle; 0 = plain decoding, drafter may be None). Greedy at temperature 0 (output identical to plain greedy);
     otherwise lossless speculative sampling with temperature / top-k / top-p applied identically to target and draft.
 
+    Trees: `topk` > 1 drafts `num_steps` levels of the `topk` best children per frontier node and verifies the
+    `num_draft_tokens` best nodes (root included; default all, at most 64) in one forward (decoding/tree.py).
+
     `stop`: extra stop token ids (the target config's eos and the tokenizer's stop ids always apply). `on_cycles`
     receives the tokens generated so far after every `stream_cycles` cycles (for streaming output); `on_progress`
     receives a `Progress` (tokens, cycles, acceptance counters, finished prompts) at the same points. The time spent
@@ -159,17 +166,16 @@ def generate(
     """
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     _check_counts(num_steps, drafter, max_new_tokens, stream_cycles)
+    num_draft_tokens = check_tree(num_steps, topk, num_draft_tokens, drafter)
     cfg = target.config
-    stop = _check_seed_and_stop(seed, stop, cfg.vocab_size)
-    ids = _prompt_ids(prompts, tokenizer)
-    layout = _Layout.of(ids, target, max_new_tokens, num_steps)
+    stop, ids = _check_seed_and_stop(seed, stop, cfg.vocab_size), _prompt_ids(prompts, tokenizer)
+    layout = _Layout.of(ids, target, max_new_tokens, num_steps, num_draft_tokens)
     stop_ids = set(cfg.stop_token_ids) | set(stop) | set(getattr(tokenizer, "stop_ids", ()) or ())
 
     loop = (loops if loops is not None else LoopCache.of(target)).loop(target, drafter)
     traces_before = loop.traces
-    loop_cfg = LoopConfig(
-        num_steps, sampling, tuple(sorted(stop_ids)), layout.prompt, min(PREFILL_CHUNK, layout.prompt)
-    )
+    tree = dict(topk=topk, num_draft_tokens=num_draft_tokens if topk > 1 else 0)
+    loop_cfg = LoopConfig(num_steps, sampling, tuple(sorted(stop_ids)), layout.prompt, layout.chunk, **tree)
     state_in = layout.state_in(ids, target, max_new_tokens, seed)
     budget = stream_cycles if on_cycles is not None or on_progress is not None else max_new_tokens + 1
     start = time.perf_counter()
@@ -177,6 +183,8 @@ def generate(
     seconds = time.perf_counter() - start
     out = _collect(state, len(ids))
     stats = _stats(state, out, num_steps, seconds) | {
+        "topk": topk,
+        "num_draft_tokens": num_draft_tokens,  # tokens one verify step takes
         "compiles": loop.traces - traces_before,
         "buckets": {"batch": layout.batch, "prompt": layout.prompt, "buffer": layout.buffer},
     }
@@ -213,6 +221,33 @@ def _check_counts(num_steps: Any, drafter, max_new_tokens: Any, stream_cycles: A
         raise ValueError(f"stream_cycles: expected an integer >= 1, got {stream_cycles!r}")
 
 
+def check_tree(num_steps: int, topk: Any, num_draft_tokens: Any, drafter) -> int:
+    """Validate the tree settings; returns the verify step's token count (num_steps + 1 for a chain)."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk: expected an integer in [1, {MAX_TOPK}] (1 = a chain), got {topk!r}")
+    if topk > 1 and num_steps == 0:
+        raise ValueError(f"topk={topk} drafts a tree: it needs num_steps >= 1 (num_steps=0 is plain decoding)")
+    if topk > 1 and drafter is not None and topk > drafter.config.draft_vocab_size:
+        raise ValueError(f"topk: expected at most the draft vocabulary ({drafter.config.draft_vocab_size}), got {topk}")
+    candidates = topk + (num_steps - 1) * topk * topk if num_steps else 0
+    if num_draft_tokens is None:
+        return min(candidates, MAX_DRAFT_TOKENS - 1) + 1 if topk > 1 else num_steps + 1
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+        raise ValueError(f"num_draft_tokens: expected an integer, got {num_draft_tokens!r}")
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        raise ValueError(
+            f"num_draft_tokens: a chain (topk=1) verifies num_steps + 1 = {num_steps + 1} tokens, got "
+            f"{num_draft_tokens} (set topk > 1 for a tree)"
+        )
+    if not 2 <= num_draft_tokens <= min(candidates + 1, MAX_DRAFT_TOKENS):
+        raise ValueError(
+            f"num_draft_tokens: expected 2..{min(candidates + 1, MAX_DRAFT_TOKENS)} (the root plus at most topk + "
+            f"(num_steps - 1) * topk**2 = {candidates} candidates, verified tokens capped at {MAX_DRAFT_TOKENS}), "
+            f"got {num_draft_tokens}"
+        )
+    return num_draft_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """The bucketed shapes of one call: padded batch, prompt length and token buffer."""
@@ -222,8 +257,9 @@ class _Layout:
     buffer: int
 
     @classmethod
-    def of(cls, ids: list[list[int]], target, max_new_tokens: int, num_steps: int) -> _Layout:
-        """Check the prompts against the target's vocabulary and context, and bucket the shapes."""
+    def of(cls, ids: list[list[int]], target, max_new_tokens: int, num_steps: int, verify_tokens: int) -> _Layout:
+        """Check the prompts against the target's vocabulary and context, and bucket the shapes (a verify step
+        writes `verify_tokens` cache slots past a row's length)."""
         cfg = target.config
         for i, p in enumerate(ids):
             if min(p) < 0 or max(p) >= cfg.vocab_size:
@@ -241,7 +277,12 @@ class _Layout:
         # Small batches to powers of two, larger ones to multiples of 8 (bounded padding); always whole data shards.
         batch = bucket(len(ids)) if len(ids) <= 8 else -(-len(ids) // 8) * 8
         batch = -(-batch // data) * data
-        return cls(batch, prompt, bucket(prompt + max_new_tokens + num_steps + 2))
+        return cls(batch, prompt, bucket(prompt + max_new_tokens + max(num_steps, verify_tokens - 1) + 2))
+
+    @property
+    def chunk(self) -> int:
+        """Prompt positions per prefill chunk."""
+        return min(PREFILL_CHUNK, self.prompt)
 
     def state_in(self, ids: list[list[int]], target, max_new_tokens: int, seed: int) -> dict[str, jax.Array]:
         """The loop's inputs: padded prompts and per-row lengths and budgets, replicated on the target's mesh."""

@@ -10,7 +10,10 @@ Per cycle, with a static draft depth J (= k, `num_steps`):
    cache) and proposes the next cycle's first draft token;
 6. per-position reached/accepted counters, stop on stop ids / max tokens.
 J = 0 is plain autoregressive decoding through the same machinery (no drafter calls), so baselines compare like for
-like. Batches are ragged: every sequence has its own length and position; padding rows are born done.
+like. With `topk` > 1 a cycle drafts a tree instead of a chain (`_tree_cycle`, building blocks in tree.py): J drafter
+steps over the top-`topk` frontier, the `num_draft_tokens` best nodes verified in one target forward under the tree's
+ancestor mask, the longest accepted root-to-leaf path committed (its cache entries compacted to consecutive slots).
+Batches are ragged: every sequence has its own length and position; padding rows are born done.
 
 Token bookkeeping: `tokens_BS[b, :length_B[b]]` are processed by the target (its cache holds those positions) and
 `tokens_BS[b, length_B[b]]` is the pending token, already emitted but not yet fed back. Generated tokens are
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxspec.decoding import tree
 from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
 from jaxspec.decoding.sampling import RowSampling, Sampling, sample, sample_rows, warp, warp_rows
 from jaxspec.models.eagle3 import concat_captured
@@ -42,6 +46,17 @@ class LoopConfig:
     stop_ids: tuple[int, ...]
     prompt_bucket: int  # padded prompt length (a multiple of prefill_chunk)
     prefill_chunk: int
+    topk: int = 1  # > 1: tree drafts, `topk` children per frontier node (decoding/tree.py)
+    num_draft_tokens: int = 0  # tree drafts: nodes verified per cycle, the root included (0 for chains)
+
+    @property
+    def tree(self) -> bool:
+        return self.topk > 1
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens (and cache slots past the prefix) one verify step takes."""
+        return self.num_draft_tokens if self.tree else self.num_steps + 1
 
 
 @struct.dataclass
@@ -56,8 +71,10 @@ class LoopState:
     done_B: jax.Array  # bool: stopped, out of budget, or a padding row
     target_cache: jax.Array  # [L, B, S, Y] target latent KV cache
     draft_cache: Any  # drafter (k, v) cache, or None when J = 0
-    draft_B: jax.Array  # int32 (target ids): the next cycle's first draft token
-    draft_q_BV: jax.Array  # float32 [B, V]: its draft distribution over the target vocabulary ([B, 1] when unused)
+    draft_B: jax.Array  # int32 (target ids): the next cycle's first draft token (chains)
+    # Chains: float32 [B, V], the draft distribution of draft_B over the target vocabulary ([B, 1] when unused).
+    # Trees: float32 [B, U], the drafter's logits at the next root (its children are that cycle's first expansion).
+    draft_q_BV: jax.Array
     hidden_BD: jax.Array  # drafter h2 at the last processed position (input of the next draft step)
     key: jax.Array
     cycles: jax.Array  # int32 scalar
@@ -102,6 +119,7 @@ class SpecLoop:
         use_drafter = self._uses_drafter(cfg)
         D = self.drafter.config.hidden_size if use_drafter else 1
         V = self.target.vocab_size if not _greedy(cfg) and use_drafter else 1
+        V = self.drafter.config.draft_vocab_size if use_drafter and cfg.tree else V
 
         def body(carry, c):
             return self._prefill_chunk(cfg, cfg.sampling, tparams, dparams, carry, c * chunk, prompt_len_B), None
@@ -193,9 +211,14 @@ class SpecLoop:
         if self._uses_drafter(cfg):
             # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
             next_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start + 1, chunk, axis=1)
-            d_B, dq_BV, h2_BD, dcache = draft_extend(
-                self.drafter, dparams, next_BT, concat_captured(captured), pos_BT, dcache, row_B, k2, sampling
-            )
+            aux_BTI = concat_captured(captured)
+            if cfg.tree:  # the next root's logits: the first cycle expands its top-k
+                dq_BV, h2_BD, dcache = extend_logits(self.drafter, dparams, next_BT, aux_BTI, pos_BT, dcache, row_B)
+                d_B = draft_B
+            else:
+                d_B, dq_BV, h2_BD, dcache = draft_extend(
+                    self.drafter, dparams, next_BT, aux_BTI, pos_BT, dcache, row_B, k2, sampling
+                )
             draft_B = jnp.where(in_chunk_B, d_B, draft_B)
             q_BV = jnp.where(in_chunk_B[:, None], dq_BV, q_BV)
             hidden_BD = jnp.where(in_chunk_B[:, None], h2_BD.astype(hidden_BD.dtype), hidden_BD)
@@ -213,6 +236,8 @@ class SpecLoop:
         return jax.lax.while_loop(cond, lambda s: self._cycle(cfg, tparams, dparams, s), state)
 
     def _cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:
+        if cfg.tree:
+            return self._tree_cycle(cfg, tparams, dparams, s)
         J, sampling = cfg.num_steps, _sampling(cfg, s)
         B = s.tokens_BS.shape[0]
         n_B = s.length_B
@@ -270,6 +295,57 @@ class SpecLoop:
             **count_acceptance(J, s, accepted_B, active_B),
         )
 
+    def _tree_cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:
+        """A cycle with a draft tree (tree.py's module docstring): draft, verify under the tree mask, accept a path,
+        compact it in the target cache, draft-extend over it."""
+        J, sampling, mesh = cfg.num_steps, _sampling(cfg, s), self.target.mesh
+        n_B = s.length_B
+        key, accept_key = _split(s.key, 2)
+        pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
+
+        # 1. draft the tree (deterministic top-k expansion: acceptance needs nothing of the draft distribution)
+        draft = draft_tree(self.drafter, dparams, s.draft_q_BV, s.hidden_BD, n_B, s.draft_cache, J, cfg.topk)
+        nodes = tree.finish(draft, pending_B, n_B, cfg.num_draft_tokens)
+
+        # 2. verify every node in one forward under the tree's ancestor mask (node t at slot n + t)
+        capture = self.drafter.capture_layers
+        out, tcache, captured = target_forward(
+            self.target,
+            tparams,
+            nodes.tokens_BT,
+            nodes.positions_BT,
+            s.target_cache,
+            capture=capture,
+            greedy=_greedy(cfg),
+            tree_mask_BTS=nodes.mask_BTS,
+        )
+
+        # 3-4. accept the longest matching path (greedy), or walk the tree sampling from the target (lossless)
+        if sampling.greedy:
+            path, accepted_B, next_B = tree.greedy_accept_tree(nodes, out)
+        else:
+            path, accepted_B, next_B = tree.speculative_accept_tree(accept_key, nodes, jnp.exp(_warp(out, sampling)))
+        path_BJ = jnp.take_along_axis(nodes.tokens_BT, path[:, 1:], axis=1)
+        emitted_BT, active_B, committed = commit(cfg, s, path_BJ, accepted_B, next_B)
+        tcache = self.target.compact_cache(tcache, n_B, path, jnp.where(active_B, accepted_B, 0))
+
+        # 5. draft-extend over the path's tokens with its nodes' target states (positions n..n+J)
+        path_XBTD = jnp.take_along_axis(replicate(captured, mesh), path[None, :, :, None], axis=2)
+        pos_BT = n_B[:, None] + jnp.arange(J + 1, dtype=jnp.int32)
+        root_BU, h2_BD, dcache = extend_logits(
+            self.drafter, dparams, emitted_BT, concat_captured(path_XBTD), pos_BT, s.draft_cache, accepted_B
+        )
+        if key.ndim:
+            key = jnp.where(active_B, key, s.key)
+        return committed.replace(
+            target_cache=tcache,
+            draft_cache=dcache,
+            draft_q_BV=jnp.where(active_B[:, None], root_BU, s.draft_q_BV),
+            hidden_BD=jnp.where(active_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
+            key=key,
+            **count_acceptance(J, s, accepted_B, active_B),
+        )
+
 
 # ---------------------------------------------------------------------- the phases of a cycle (traced)
 def replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
@@ -277,11 +353,24 @@ def replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
 
 
-def target_forward(target: Target, tparams, tokens_BT, pos_BT, cache, *, capture: tuple[int, ...] = (), greedy: bool):
-    """Verify (also prefill and plain decode): the target over T tokens. Returns (ids [B,T] if `greedy` else logits
-    [B,T,V], replicated; the updated cache; the captured states [X,B,T,D] of `capture`)."""
+def target_forward(
+    target: Target,
+    tparams,
+    tokens_BT,
+    pos_BT,
+    cache,
+    *,
+    capture: tuple[int, ...] = (),
+    greedy: bool,
+    tree_mask_BTS=None,
+):
+    """Verify (also prefill and plain decode): the target over T tokens (a draft tree's nodes with `tree_mask_BTS`).
+    Returns (ids [B,T] if `greedy` else logits [B,T,V], replicated; the updated cache; the captured states [X,B,T,D]
+    of `capture`)."""
     head = "argmax" if greedy else "logits"
-    out, cache, captured = target.apply(tparams, tokens_BT, pos_BT, cache, capture=capture, head=head)
+    out, cache, captured = target.apply(
+        tparams, tokens_BT, pos_BT, cache, capture=capture, head=head, tree_mask_BTS=tree_mask_BTS
+    )
     return replicate(out, target.mesh), cache, captured
 
 
@@ -314,11 +403,41 @@ def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, r
     """Draft-extend (and the prefill's draft): the drafter's first step over T tokens with the captured target states
     `aux_BTI`, writing its cache; at each sequence's row `row_B` the next draft token and distribution (see
     `choose_draft`) and its h2 [B, D]. Returns (draft [B], q, h2 [B, D], the updated drafter cache)."""
+    logits_BU, h2_BD, cache = extend_logits(drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B)
+    draft_B, q_BV = choose_draft(drafter, key, logits_BU, sampling)
+    return draft_B, q_BV, h2_BD, cache
+
+
+def extend_logits(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B):
+    """`draft_extend` up to the draft logits: (fp32 logits [B, U] and h2 [B, D] at row `row_B`, replicated; the
+    updated drafter cache)."""
     logits, h2, cache = drafter.apply(dparams, tokens_BT, aux_BTI, pos_BT, cache, first_step=True)
     mesh = drafter.target.mesh
     pick = lambda x: jnp.take_along_axis(replicate(x, mesh), row_B[:, None, None], axis=1)[:, 0]  # noqa: E731
-    draft_B, q_BV = choose_draft(drafter, key, pick(logits), sampling)
-    return draft_B, q_BV, pick(h2), cache
+    return pick(logits), pick(h2), cache
+
+
+def draft_tree(drafter: Drafter, dparams, root_logits_BU, hidden_BD, n_B, cache, num_steps: int, topk: int):
+    """Draft a tree (tree.py): the root's top-`topk` children, then `num_steps` - 1 drafter steps, each over the
+    `topk` frontier nodes of its depth (at position n + depth - 1, their parents' h2 as input, seeing the cache below
+    n and their ancestors' scratch entries), each expanding the frontier. Returns the `tree.TreeDraft`."""
+    mesh = drafter.target.mesh
+    to_ids = drafter.to_target_ids if drafter.d2t is not None else None
+    draft = tree.first_expansion(replicate(root_logits_BU, mesh), topk, to_ids=to_ids)
+    B, D = hidden_BD.shape
+    entries = (num_steps - 1) * topk
+    scratch = drafter.init_scratch(B, max(entries, 1))
+    hidden_BKD = jnp.broadcast_to(hidden_BD[:, None], (B, topk, D))  # depth-1 nodes: the root's h2
+    for step in range(1, num_steps):
+        pos_BK = jnp.broadcast_to((n_B + step - 1)[:, None], (B, topk))
+        mask_BKM = jnp.pad(draft.lineage, ((0, 0), (0, 0), (0, entries - draft.lineage.shape[-1])))
+        logits_BKU, h2_BKD, scratch = drafter.apply_tree(
+            dparams, draft.frontier_tokens, hidden_BKD, pos_BK, cache, scratch, (step - 1) * topk, mask_BKM, n_B
+        )
+        draft = tree.expand(draft, replicate(logits_BKU, mesh), to_ids=to_ids)
+        parent_BK1 = draft.frontier_parent_slot[:, :, None]
+        hidden_BKD = jnp.take_along_axis(replicate(h2_BKD, mesh), parent_BK1, axis=1)
+    return draft
 
 
 def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
@@ -327,7 +446,6 @@ def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
     `s` with tokens/end/length/done updated)."""
     J, sampling = cfg.num_steps, _sampling(cfg, s)
     B = s.tokens_BS.shape[0]
-    n_B = s.length_B
     # 3. accept
     if sampling.greedy:
         accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
@@ -335,8 +453,15 @@ def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
         p_BTV = jnp.exp(_warp(out, sampling))
         q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
         accepted_B, next_B = _speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
+    emitted_BT, active_B, committed = commit(cfg, s, draft_BJ, accepted_B, next_B)
+    return accepted_B, emitted_BT, active_B, committed
 
-    # 4. commit: emitted tokens are d_1..d_a then the bonus; cut at the first stop id and at the budget
+
+def commit(cfg: LoopConfig, s: LoopState, draft_BJ, accepted_B, next_B):
+    """Step 4: emit d_1..d_a then `next_B` (the bonus, or the correction), cut at the first stop id and at the budget.
+    Returns (emitted_BT [B, J+1], active_B, `s` with tokens/end/length/done updated)."""
+    J = cfg.num_steps
+    n_B = s.length_B
     idx_T = jnp.arange(J + 1, dtype=jnp.int32)
     emitted_BT = jnp.where(idx_T < accepted_B[:, None], jnp.pad(draft_BJ, ((0, 0), (0, 1))), next_B[:, None])
     stop_BT = _is_stop(emitted_BT, cfg, s.stop_ids) & (idx_T <= accepted_B[:, None])
@@ -350,7 +475,7 @@ def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
     length_B = jnp.where(active_B, n_B + accepted_B + 1, n_B)
     done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
     committed = s.replace(tokens_BS=tokens_BS, end_B=end_B, length_B=length_B, done_B=done_B)
-    return accepted_B, emitted_BT, active_B, committed
+    return emitted_BT, active_B, committed
 
 
 def count_acceptance(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:

@@ -20,9 +20,9 @@ first) have no glossary letter and carry no suffix.
    target's argmax at its parent. Siblings are distinct tokens, so at most one child matches and the matching nodes
    form a single path; the bonus token is the target's argmax at its end.
 3. Sampling acceptance (`speculative_accept_tree`), lossless: see its docstring for the derivation.
-4. Commit (`compact_path`): the verify step writes node t's KV at cache slot prefix + t (RoPE position prefix +
-   depth); the accepted path's entries move to slots prefix + 0..a, so the cache holds exactly the path, each entry
-   at its own position.
+4. Commit (`models.tree_attention.compact_path`, through `Target.compact_cache`): the verify step writes node t's KV
+   at cache slot prefix + t (RoPE position prefix + depth); the accepted path's entries move to slots prefix + 0..a,
+   so the cache holds exactly the path, each entry at its own position.
 
 How a cycle of the loop uses them (n = the row's processed length, the root is the pending token at position n):
 - draft: `first_expansion` on the drafter's logits at the root (from the previous draft-extend). Drafter step s
@@ -36,11 +36,14 @@ How a cycle of the loop uses them (n = the row's processed length, the root is t
   `mask_BTS` (models/tree_attention.py), writing node t's latent at slot n + t.
 - accept: `greedy_accept_tree` on the target's argmax ids, or `speculative_accept_tree` on its warped probs
   (target-only for top-k trees); emitted = the path's tokens after the root, then `next_token`.
-- commit: `compact_path` on the target cache; the drafter cache needs none: draft-extend runs over the compacted path
-  (emitted tokens at positions n..n+a, the captured target states gathered by `path`) and writes its own KV there.
+- commit: `Target.compact_cache` on the target cache; the drafter cache needs none: draft-extend runs over the
+  compacted path (emitted tokens at positions n..n+a, the captured target states gathered by `path`) and writes its
+  own KV there.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -95,22 +98,32 @@ def _log_probs(logp: jax.Array) -> jax.Array:
     return jnp.minimum(jax.nn.log_softmax(logp.astype(jnp.float32), axis=-1), 0.0)
 
 
-def _top_children(logp: jax.Array, topk: int, key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+# Maps the drafter's vocabulary indices to the token ids the tree holds (a drafter with its own smaller vocabulary
+# maps to target ids, `Drafter.to_target_ids`); None: the indices are the ids.
+TokenMap = Callable[[jax.Array], jax.Array] | None
+
+
+def _top_children(
+    logp: jax.Array, topk: int, key: jax.Array | None, to_ids: TokenMap = None
+) -> tuple[jax.Array, jax.Array]:
     """(log-probs, tokens) of `topk` children per distribution [..., V]: the top-k, or with `key` a sample without
     replacement in draw order (Gumbel top-k) for a tree verified with the drafter's distribution."""
     if topk > logp.shape[-1]:
         raise ValueError(f"topk: expected at most the vocabulary size {logp.shape[-1]}, got {topk}")
     logp = _log_probs(logp)
     ranked = logp if key is None else logp + jax.random.gumbel(key, logp.shape)
-    _, tokens = jax.lax.top_k(ranked, topk)
-    return jnp.take_along_axis(logp, tokens, axis=-1), tokens.astype(jnp.int32)
+    _, index = jax.lax.top_k(ranked, topk)
+    tokens = index if to_ids is None else to_ids(index)
+    return jnp.take_along_axis(logp, index, axis=-1), tokens.astype(jnp.int32)
 
 
-def first_expansion(root_logp_BV: jax.Array, topk: int, key: jax.Array | None = None) -> TreeDraft:
+def first_expansion(
+    root_logp_BV: jax.Array, topk: int, key: jax.Array | None = None, *, to_ids: TokenMap = None
+) -> TreeDraft:
     """Draft step 1: the root's top-`topk` tokens (log-probs or logits [B, V] of the drafter at the root)."""
     if topk < 1:
         raise ValueError(f"topk: expected >= 1 (1 = a chain), got {topk}")
-    scores, tokens = _top_children(root_logp_BV, topk, key)
+    scores, tokens = _top_children(root_logp_BV, topk, key, to_ids)
     B = tokens.shape[0]
     slots = jnp.broadcast_to(jnp.arange(topk, dtype=jnp.int32), (B, topk))
     lineage = jnp.broadcast_to(jnp.eye(topk, dtype=bool), (B, topk, topk))
@@ -119,13 +132,15 @@ def first_expansion(root_logp_BV: jax.Array, topk: int, key: jax.Array | None = 
     )
 
 
-def expand(draft: TreeDraft, frontier_logp_BKV: jax.Array, key: jax.Array | None = None) -> TreeDraft:
+def expand(
+    draft: TreeDraft, frontier_logp_BKV: jax.Array, key: jax.Array | None = None, *, to_ids: TokenMap = None
+) -> TreeDraft:
     """One more draft step: the drafter's log-probs (or logits) at each frontier node [B, topk, V] add topk children
     per frontier node as candidates; the topk best-scoring of them become the next frontier."""
     B, k = draft.frontier.shape
     if frontier_logp_BKV.shape[:2] != (B, k):
         raise ValueError(f"frontier_logp_BKV: expected [B, topk, V] = [{B}, {k}, V], got {frontier_logp_BKV.shape}")
-    child_logp, child_tokens = _top_children(frontier_logp_BKV, k, key)  # [B, topk, topk]
+    child_logp, child_tokens = _top_children(frontier_logp_BKV, k, key, to_ids)  # [B, topk, topk]
     frontier_scores = jnp.take_along_axis(draft.scores, draft.frontier, axis=1)
     scores = (frontier_scores[:, :, None] + child_logp).reshape(B, k * k)
     parents = jnp.broadcast_to(draft.frontier[:, :, None], (B, k, k)).reshape(B, k * k)
@@ -330,30 +345,3 @@ def _walk_row(u_LK, tokens_T, parent_T, p_TV, q_TV):
     init = (jnp.int32(0), jnp.bool_(False), p_TV[0])
     last, _, final_V = jax.lax.fori_loop(0, u_LK.shape[0], level, init)
     return last, final_V
-
-
-def compact_path(
-    cache: jax.Array, prefix_len_B: jax.Array, path: jax.Array, num_accepted_B: jax.Array, *, batch_axis: int
-) -> jax.Array:
-    """Move the accepted path's cache entries to consecutive slots: slot prefix + path[j] -> prefix + j, j <= a.
-
-    `cache` has its batch axis at `batch_axis` and its positions right after it: the target's latent cache
-    [L, B, S, K] (batch_axis=1), the drafter's [B, S, ...] (batch_axis=0). The verify step wrote node t at slot
-    prefix + t; after the move slots up to prefix + num_accepted hold the path, each node at prefix + its depth (its
-    RoPE position). Everything else is untouched (slots past the path are dead and get overwritten later). One
-    gather and one scatter of (max_depth + 1) entries per row; with a donated cache the scatter is in place.
-    """
-    B = prefix_len_B.shape[0]
-    if cache.shape[batch_axis] != B:
-        raise ValueError(f"cache: expected batch {B} at axis {batch_axis}, got shape {cache.shape}")
-    if path.shape[0] != B or num_accepted_B.shape != (B,):
-        raise ValueError(
-            f"path / num_accepted_B: expected [B, max_depth + 1] / [B], got {path.shape}, {num_accepted_B.shape}"
-        )
-    S = cache.shape[batch_axis + 1]
-    j = jnp.arange(path.shape[1], dtype=jnp.int32)  # [path]
-    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], path.shape)
-    src = prefix_len_B[:, None] + path
-    dst = jnp.where(j <= num_accepted_B[:, None], prefix_len_B[:, None] + j, S)  # S: dropped
-    lead = (slice(None),) * batch_axis
-    return cache.at[(*lead, rows, dst)].set(cache[(*lead, rows, src)], mode="drop")

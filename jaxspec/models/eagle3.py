@@ -39,6 +39,7 @@ from jaxspec.models.kimi import embed_lookup
 from jaxspec.models.layers import NEG_INF, ones, param, rms_norm, swiglu
 from jaxspec.models.mla import MLA
 from jaxspec.models.quant import einsum as ein
+from jaxspec.models.tree_attention import mla_tree_attention
 from sharding.rules import DEFAULT_RULES, ShardingRules
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -472,12 +473,39 @@ class Eagle3Model(nnx.Module):
 
         Returns (fp32 logits [B,T,U] (local vocab shard when split), h2 [B,T,D], updated cache or None).
         """
+        return self._step(tokens_BT, hidden, first_step, lambda a_BTW: self._attend(a_BTW, pos_BT, cache))
+
+    def tree_step(
+        self,
+        tokens_BK: jax.Array,
+        hidden_BKD: jax.Array,
+        pos_BK: jax.Array,
+        cache: KVCache,
+        scratch: KVCache,
+        write_at: int,
+        mask_BKM: jax.Array,
+        prefix_len_B: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Per-device draft step over K tree nodes per row (jaxspec/decoding/tree.py), from their parents' h2
+        `hidden_BKD`. The cache is only read: each node sees its row's cached entries below `prefix_len_B` and the
+        `scratch` entries `mask_BKM` marks (its ancestors and itself); its own entry goes to scratch slots
+        `write_at`..`write_at`+K (static). Returns (fp32 logits [B,K,U], h2 [B,K,D], the updated scratch)."""
+
+        def attend(a_BKW):
+            if self.config.mla is not None:
+                return self._attend_tree_mla(a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B)
+            return self._attend_tree(a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B)
+
+        return self._step(tokens_BK, hidden_BKD, False, attend)
+
+    def _step(self, tokens_BT, hidden, first_step: bool, attend: Callable[[jax.Array], tuple[jax.Array, Any]]):
+        """The layer around its attention: (logits, h2, what `attend` returns besides its output)."""
         dt = self.dtype
         e_BTD = self.embed_tokens(tokens_BT, dt)
         h_BTD = self.fuse_captured(hidden, dt) if first_step else hidden.astype(dt)
         a_BTW, residual_BTD = self.layer_input(e_BTD, h_BTD)
         with jax.named_scope("attention"):
-            attn_BTD, cache = self._attend(a_BTW, pos_BT, cache)
+            attn_BTD, cache = attend(a_BTW)
             h1_BTD = self.add_attention(residual_BTD, attn_BTD, dt)
         h2_BTD = self.mlp(h1_BTD, dt)
         return self.head(h2_BTD), h2_BTD, cache
@@ -561,6 +589,30 @@ class Eagle3Model(nnx.Module):
         # MLA takes a layer-stacked cache and a layer index; the drafter's one layer is a stack of one.
         out_BTD, latent_LBSY = self.attn(a_BTW, cos_sin, pos_BT, cache[0][None], 0, impl)
         return out_BTD, (latent_LBSY[0],)
+
+    def _attend_tree(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B):
+        """Llama attention of tree nodes over [cache | scratch] (see `tree_step`)."""
+        q_BKNZ, k_BKOZ, v_BKOZ = self.project_qkv(a_BKW, pos_BK)
+        put = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), write_at, axis=1)  # noqa: E731
+        scratch = tuple(put(c, n) for c, n in zip(scratch, (k_BKOZ, v_BKOZ), strict=True))
+        k_BSOZ, v_BSOZ = (
+            jnp.concatenate([c, s], axis=1).astype(a_BKW.dtype) for c, s in zip(cache, scratch, strict=True)
+        )
+        S = cache[0].shape[1]
+        prefix_BKS = jnp.broadcast_to((jnp.arange(S) < prefix_len_B[:, None])[:, None], (*pos_BK.shape, S))
+        mask_BKS = jnp.concatenate([prefix_BKS, mask_BKM], axis=-1)
+        return self.project_out(attention(q_BKNZ, k_BSOZ, v_BSOZ, mask_BKS)), scratch
+
+    def _attend_tree_mla(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B):
+        """The target's tree attention (absorbed MLA) over the drafter's latent cache and scratch latents."""
+        cos_sin = rope.cos_sin(pos_BK, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
+        q_nope_BKNH, q_rope_BKNR, fresh_BKY = self.attn.project(a_BKW, cos_sin)
+        (latent_BMY,) = scratch
+        latent_BMY = jax.lax.dynamic_update_slice_in_dim(latent_BMY, fresh_BKY.astype(latent_BMY.dtype), write_at, 1)
+        out_BKD = mla_tree_attention(
+            self.attn, q_nope_BKNH, q_rope_BKNR, latent_BMY, cache[0][None], 0, prefix_len_B, mask_BKM
+        )
+        return out_BKD, (latent_BMY,)
 
 
 class DraftMLA(MLA):

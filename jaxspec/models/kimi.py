@@ -27,6 +27,7 @@ from jaxspec.models import quant, rope
 from jaxspec.models.layers import ones, param, rms_norm
 from jaxspec.models.mla import KV_BLOCK, MLA, AttnImpl
 from jaxspec.models.moe import MLP, LayerSlice, MoE, is_routed_weight
+from jaxspec.models.tree_attention import tree_verify_mla
 from sharding.rules import DEFAULT_RULES, ShardingRules
 
 
@@ -40,18 +41,21 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, int4_experts, rngs, axis=axis) if moe else MLP(D, cfg.intermediate_size, dtype, rngs)
         self.eps, self.axis = cfg.rms_norm_eps, axis
 
-    def __call__(self, x_BTD, cos_sin, pos_BT, cache_LBSY, layer, impl: AttnImpl, kv_block: int = KV_BLOCK):
+    def __call__(
+        self, x_BTD, cos_sin, pos_BT, cache_LBSY, layer, impl: AttnImpl, kv_block: int = KV_BLOCK, tree_mask_BTS=None
+    ):
+        """`tree_mask_BTS`: verify a draft tree (see `KimiModel.__call__`) instead of T consecutive tokens."""
         B, T, D = x_BTD.shape
         with jax.named_scope("attention"):
-            attn_BTD, cache_LBSY = self.attn(
-                rms_norm(x_BTD, self.input_norm[...], self.eps),
-                cos_sin,
-                pos_BT,
-                cache_LBSY,
-                layer,
-                impl,
-                kv_block=kv_block,
-            )
+            x_norm_BTD = rms_norm(x_BTD, self.input_norm[...], self.eps)
+            if tree_mask_BTS is None:
+                attn_BTD, cache_LBSY = self.attn(
+                    x_norm_BTD, cos_sin, pos_BT, cache_LBSY, layer, impl, kv_block=kv_block
+                )
+            else:  # the root (node 0) sits at the prefix length: its position
+                attn_BTD, cache_LBSY = tree_verify_mla(
+                    self.attn, x_norm_BTD, cos_sin, pos_BT[:, 0], tree_mask_BTS, cache_LBSY, layer, kv_block=kv_block
+                )
             h_BTD = x_BTD + jax.lax.psum(attn_BTD, self.axis).astype(x_BTD.dtype)
         with jax.named_scope("mlp"):
             y_MD = self.mlp(rms_norm(h_BTD, self.post_attn_norm[...], self.eps).reshape(B * T, D))
@@ -109,10 +113,21 @@ class KimiModel(nnx.Module):
         capture: Sequence[int] = (),
         impl: AttnImpl = "expanded",
         kv_block: int = KV_BLOCK,
+        tree_mask_BTS: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         """Per-device forward. Returns (local logits [B,T,V/model], updated cache, captured [X,B,T,D]).
-        `kv_block`: cache positions per block of the live-prefix attention loop (see mla.py)."""
+        `kv_block`: cache positions per block of the live-prefix attention loop (see mla.py).
+
+        `tree_mask_BTS` (with a cache): the T tokens are the nodes of a draft tree (jaxspec/decoding/tree.py), node 0
+        the root at each row's prefix length `pos_BT[:, 0]`; node t is written at cache slot prefix + t, sits at RoPE
+        position `pos_BT` (prefix + depth) and sees the cached prefix and the nodes the mask marks (its ancestors and
+        itself), through models/tree_attention.py."""
         B, T = tokens_BT.shape
+        if tree_mask_BTS is not None and (cache_LBSY is None or tree_mask_BTS.shape != (B, T, T)):
+            raise ValueError(
+                f"tree_mask_BTS: expected [B, T, T] = [{B}, {T}, {T}] with a cache, got "
+                f"{tree_mask_BTS.shape} (cache {'missing' if cache_LBSY is None else 'given'})"
+            )
         with jax.named_scope("embed"):
             x_BTD = embed_lookup(self.embed[...], tokens_BT, self.axis)
         cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
@@ -138,7 +153,7 @@ class KimiModel(nnx.Module):
                 layer = nnx.merge(graphdef, jax.tree.map(view, experts, is_leaf=_is_var), layer_params)
                 # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,Y] here
                 # would copy the full buffer every layer, however short the live prefix.
-                x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block)
+                x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block, tree_mask_BTS)
                 captured = jnp.where((capture_X == layer_id)[:, None, None, None], x[None], captured)
                 return (x, cache, captured), None
 

@@ -1,7 +1,7 @@
 """Tree attention for MLA: the verify step of a draft tree (jaxspec/decoding/tree.py) over the latent cache.
 
 A verify step scores the T nodes of a tree (node 0 the pending token) in one forward. Node t sits at RoPE position
-prefix + depth(t) but at cache slot prefix + t (slots must be distinct; `tree.compact_path` later moves the accepted
+prefix + depth(t) but at cache slot prefix + t (slots must be distinct; `compact_path` below later moves the accepted
 path to prefix + depth). Node t must see the cached prefix (slots < prefix, its row's own length) and its own
 ancestors-or-self among the fresh tokens, nothing else: not its siblings, cousins, or the stale slots past the prefix.
 
@@ -96,24 +96,74 @@ def tree_verify_mla(
     `cos_sin` is RoPE at the tree positions (prefix + depth); the T fresh entries are written at slots prefix + t.
     Mirrors `MLA.__call__`'s absorbed path with the causal mask replaced by the tree's.
     """
-    C = mla.kv_a_norm.shape[0]
     q_nope_BTNH, q_rope_BTNR, fresh_BTY = mla.project(x_BTD, cos_sin)
     with jax.named_scope("attend_tree"):
-        q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, mla.kv_b_k[...])
         slots_BT = prefix_len_B[:, None] + jnp.arange(x_BTD.shape[1], dtype=jnp.int32)
         cache_LBSY = write_cache(cache_LBSY, layer, fresh_BTY, slots_BT)
         # The fresh keys go through the cache dtype, as a chain verify reads them back from the cache.
-        state = tree_attention(
-            mla.absorbed_block(q_abs_BTNC, q_rope_BTNR, C),
-            softmax_init(q_nope_BTNH, C),
-            fresh_BTY.astype(cache_LBSY.dtype),
-            cache_LBSY,
-            layer,
-            prefix_len_B,
-            mask_BTS,
-            mla.softmax_scale,
-            kv_block,
-            x_BTD.dtype,
+        fresh_BTY = fresh_BTY.astype(cache_LBSY.dtype)
+        out_BTD = mla_tree_attention(
+            mla, q_nope_BTNH, q_rope_BTNR, fresh_BTY, cache_LBSY, layer, prefix_len_B, mask_BTS, kv_block=kv_block
         )
-        out_BTNA = ein("BTNC,CNA->BTNA", softmax_finish(state, x_BTD.dtype), mla.kv_b_v[...])
-    return ein("BTNA,NAD->BTD", out_BTNA, mla.o[...], dtype=jnp.float32), cache_LBSY
+    return out_BTD, cache_LBSY
+
+
+def mla_tree_attention(
+    mla: MLA,
+    q_nope_BTNH: jax.Array,
+    q_rope_BTNR: jax.Array,
+    fresh_BSY: jax.Array,
+    cache_LBSY: jax.Array,
+    layer: jax.Array | int,
+    prefix_len_B: jax.Array,
+    mask_BTS: jax.Array,
+    *,
+    kv_block: int = KV_BLOCK,
+) -> jax.Array:
+    """Absorbed MLA attention of T queries (`MLA.project`'s, rotated) over the cached prefix and the fresh entries
+    `mask_BTS` marks: the partial output [B,T,D] fp32 (a verify step's tree nodes, or an MLA drafter's tree step over
+    its scratch entries)."""
+    C = mla.kv_a_norm.shape[0]
+    dtype = q_nope_BTNH.dtype
+    q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, mla.kv_b_k[...])
+    state = tree_attention(
+        mla.absorbed_block(q_abs_BTNC, q_rope_BTNR, C),
+        softmax_init(q_nope_BTNH, C),
+        fresh_BSY,
+        cache_LBSY,
+        layer,
+        prefix_len_B,
+        mask_BTS,
+        mla.softmax_scale,
+        kv_block,
+        dtype,
+    )
+    out_BTNA = ein("BTNC,CNA->BTNA", softmax_finish(state, dtype), mla.kv_b_v[...])
+    return ein("BTNA,NAD->BTD", out_BTNA, mla.o[...], dtype=jnp.float32)
+
+
+def compact_path(
+    cache: jax.Array, prefix_len_B: jax.Array, path: jax.Array, num_accepted_B: jax.Array, *, batch_axis: int
+) -> jax.Array:
+    """Move the accepted path's cache entries to consecutive slots: slot prefix + path[j] -> prefix + j, j <= a.
+
+    `cache` has its batch axis at `batch_axis` and its positions right after it: the target's latent cache
+    [L, B, S, K] (batch_axis=1), the drafter's [B, S, ...] (batch_axis=0). The verify step wrote node t at slot
+    prefix + t; after the move slots up to prefix + num_accepted hold the path, each node at prefix + its depth (its
+    RoPE position). Everything else is untouched (slots past the path are dead and get overwritten later). One
+    gather and one scatter of (max_depth + 1) entries per row; with a donated cache the scatter is in place.
+    """
+    B = prefix_len_B.shape[0]
+    if cache.shape[batch_axis] != B:
+        raise ValueError(f"cache: expected batch {B} at axis {batch_axis}, got shape {cache.shape}")
+    if path.shape[0] != B or num_accepted_B.shape != (B,):
+        raise ValueError(
+            f"path / num_accepted_B: expected [B, max_depth + 1] / [B], got {path.shape}, {num_accepted_B.shape}"
+        )
+    S = cache.shape[batch_axis + 1]
+    j = jnp.arange(path.shape[1], dtype=jnp.int32)  # [path]
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], path.shape)
+    src = prefix_len_B[:, None] + path
+    dst = jnp.where(j <= num_accepted_B[:, None], prefix_len_B[:, None] + j, S)  # S: dropped
+    lead = (slice(None),) * batch_axis
+    return cache.at[(*lead, rows, dst)].set(cache[(*lead, rows, src)], mode="drop")

@@ -116,6 +116,58 @@ class Drafter:
         )
         return fn(params, tokens_BT, hidden, pos_BT, cache)
 
+    def apply_tree(
+        self,
+        params,
+        tokens_BK: jax.Array,
+        hidden_BKD: jax.Array,
+        pos_BK: jax.Array,
+        cache: KVCache,
+        scratch: KVCache,
+        write_at: int,
+        mask_BKM: jax.Array,
+        prefix_len_B: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Sharded draft step over K tree nodes per row (traceable; see `Eagle3Model.tree_step`): the cache is only
+        read, the nodes' own entries go to `scratch` (from `init_scratch`). Returns (fp32 logits [B,K,U], h2
+        [B,K,D], scratch)."""
+        if hidden_BKD.shape != (*tokens_BK.shape, self.config.hidden_size):
+            raise ValueError(
+                f"hidden_BKD: expected {(*tokens_BK.shape, self.config.hidden_size)}, got {hidden_BKD.shape}"
+            )
+        batch, split, cache_spec = self.rules.batch, self.split, self.cache_specs()
+
+        def local(params, tokens, hidden, pos, cache, scratch, mask, prefix):
+            model = nnx.merge(self.graphdef, params)
+            return model.tree_step(tokens, hidden, pos, cache, scratch, write_at, mask, prefix)
+
+        reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
+        args = [
+            reshard(tokens_BK, P(batch, None)),
+            reshard(hidden_BKD, P(batch, None, None)),
+            reshard(pos_BK, P(batch, None)),
+            tuple(reshard(c, s) for c, s in zip(cache, cache_spec, strict=True)),
+            tuple(reshard(c, s) for c, s in zip(scratch, cache_spec, strict=True)),
+            reshard(mask_BKM, P(batch, None, None)),
+            reshard(prefix_len_B, P(batch)),
+        ]
+        fn = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(
+                Target.param_specs(params, self.param_rules),
+                P(batch, None),
+                P(batch, None, None),
+                P(batch, None),
+                cache_spec,
+                cache_spec,
+                P(batch, None, None),
+                P(batch),
+            ),
+            out_specs=(P(batch, None, self.rules.vocab if split.vocab else None), P(batch, None, None), cache_spec),
+        )
+        return fn(params, *args)
+
     @classmethod
     def random(
         cls, cfg: Eagle3Config, target: Target, *, d2t: np.ndarray | None = None, dtype=jnp.bfloat16, seed: int = 0
@@ -201,6 +253,15 @@ class Drafter:
         else:
             shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return tuple(jax.device_put(jnp.zeros(shape, self.dtype), NamedSharding(self.mesh, s)) for s in specs)
+
+    def init_scratch(self, batch: int, entries: int) -> KVCache:
+        """Zeroed scratch entries for `apply_tree`: a cache of `entries` slots (traceable; sharded as the cache)."""
+        cfg = self.config
+        if cfg.mla is not None:
+            shape = (batch, entries, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+        else:
+            shape = (batch, entries, cfg.num_key_value_heads, cfg.head_dim)
+        return tuple(jnp.zeros(shape, self.dtype, out_sharding=NamedSharding(self.mesh, s)) for s in self.cache_specs())
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         """Draft-vocabulary ids -> target ids (`id + d2t[id]`); traceable, also inside shard_map."""

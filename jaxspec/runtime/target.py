@@ -23,6 +23,7 @@ from jaxspec.config import KimiConfig
 from jaxspec.models.kimi import KimiModel
 from jaxspec.models.mla import KV_BLOCK, AttnImpl
 from jaxspec.models.quant import Int4Array
+from jaxspec.models.tree_attention import compact_path
 from sharding.collectives import sharded_argmax, sharded_top_k
 from sharding.mesh import DATA, single_device_mesh
 from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
@@ -173,11 +174,15 @@ class Target:
         impl: AttnImpl | None = None,
         head: Head = "logits",
         kv_block: int = KV_BLOCK,
+        tree_mask_BTS: jax.Array | None = None,
     ):
         """Sharded forward (traceable; call inside jit). Returns (out, cache, captured [X,B,T,D]) where `out` is
         per `head`: "logits" -> [B,T,V] (vocab-split over the model axis), "argmax" -> greedy ids [B,T],
         an int k -> top-k (values [B,T,k], ids [B,T,k]). argmax/top-k never gather the vocabulary.
-        With a cache, attention reads only the live prefix, in blocks of `kv_block` positions (see mla.py)."""
+        With a cache, attention reads only the live prefix, in blocks of `kv_block` positions (see mla.py).
+        `tree_mask_BTS`: verify a draft tree [B,T,T] (see `KimiModel.__call__`; absorbed attention)."""
+        if tree_mask_BTS is not None and impl == "expanded":
+            raise ValueError("tree_mask_BTS: tree verification runs absorbed attention, got impl='expanded'")
         impl = impl or ("absorbed" if tokens_BT.shape[1] <= ABSORBED_MAX_TOKENS else "expanded")
         batch, capture = self.rules.batch, tuple(int(c) for c in capture)
         cache_spec = None if cache_LBSY is None else self.cache_spec()
@@ -190,9 +195,11 @@ class Target:
         else:
             raise ValueError(f"head must be 'logits', 'argmax' or a positive int k, got {head!r}")
 
-        def local(params, tokens, pos, cache):
+        def local(params, tokens, pos, cache, tree_mask):
             model = nnx.merge(self.graphdef, params)
-            logits, cache, captured = model(tokens, pos, cache, capture=capture, impl=impl, kv_block=kv_block)
+            logits, cache, captured = model(
+                tokens, pos, cache, capture=capture, impl=impl, kv_block=kv_block, tree_mask_BTS=tree_mask
+            )
             if head == "argmax":
                 logits = sharded_argmax(logits, self.rules.model_axis)
             elif head != "logits":
@@ -202,13 +209,33 @@ class Target:
         reshard = lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
         tokens_BT, pos_BT = reshard(tokens_BT, P(batch, None)), reshard(pos_BT, P(batch, None))
         cache_LBSY = reshard(cache_LBSY, cache_spec)
+        mask_spec = None if tree_mask_BTS is None else P(batch, None, None)
+        tree_mask_BTS = reshard(tree_mask_BTS, mask_spec)
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(self.param_specs(params, self.rules), P(batch, None), P(batch, None), cache_spec),
+            in_specs=(self.param_specs(params, self.rules), P(batch, None), P(batch, None), cache_spec, mask_spec),
             out_specs=(head_spec, cache_spec, P(None, batch, None, None)),
         )
-        return fn(params, tokens_BT, pos_BT, cache_LBSY)
+        return fn(params, tokens_BT, pos_BT, cache_LBSY, tree_mask_BTS)
+
+    def compact_cache(self, cache_LBSY, prefix_len_B, path, num_accepted_B):
+        """After a tree verify: move each row's accepted path to consecutive cache slots (`tree.compact_path`),
+        per data shard (traceable)."""
+        batch, cache_spec = self.rules.batch, self.cache_spec()
+        reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
+        fn = jax.shard_map(
+            lambda c, n, p, a: compact_path(c, n, p, a, batch_axis=1),
+            mesh=self.mesh,
+            in_specs=(cache_spec, P(batch), P(batch, None), P(batch)),
+            out_specs=cache_spec,
+        )
+        return fn(
+            reshard(cache_LBSY, cache_spec),
+            reshard(prefix_len_B, P(batch)),
+            reshard(path, P(batch, None)),
+            reshard(num_accepted_B, P(batch)),
+        )
 
     def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits"):
         """AOT-compile one cached step (decode: tokens=1; verify: k+1) for abstract inputs; nothing is allocated

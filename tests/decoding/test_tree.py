@@ -26,6 +26,7 @@ from jaxspec.decoding import tree as tr
 from jaxspec.decoding.acceptance import greedy_accept_ids
 from jaxspec.decoding.sampling import Sampling, warp
 from jaxspec.models.mla import write_cache
+from jaxspec.models.tree_attention import compact_path
 from tests.decoding.test_acceptance import chisquare_pvalue
 
 ALPHA = 1e-3  # per statistical assertion, as in test_acceptance.py (whose chi-square helper this file uses)
@@ -230,7 +231,7 @@ def greedy_cycle(draft_VV, target_VV, root_B, prefix_B, cache, *, topk, num_step
         cache, 0, tree.tokens_BT[..., None].astype(cache.dtype), prefix_B[:, None] + jnp.arange(num_draft_tokens)
     )
     path, accepted_B, next_B = tr.greedy_accept_tree(tree, target_BT)
-    cache = tr.compact_path(cache, prefix_B, path, accepted_B, batch_axis=1)
+    cache = compact_path(cache, prefix_B, path, accepted_B, batch_axis=1)
     return tree, target_BT, path, accepted_B, next_B, cache
 
 
@@ -289,7 +290,7 @@ def test_compact_path_moves_exactly_the_path(layout):
     path = np.asarray([[0, 2, 4, 6], [0, 0, 0, 0], [0, 1, 5, 5]], np.int32)  # padded past each row's depth
     shape, batch_axis = ((2, B, S, 5), 1) if layout.startswith("target") else ((B, S, 2, 3), 0)
     cache = rng.standard_normal(shape).astype(np.float32)
-    out = np.asarray(jax.jit(partial(tr.compact_path, batch_axis=batch_axis))(cache, prefix_B, path, accepted_B))
+    out = np.asarray(jax.jit(partial(compact_path, batch_axis=batch_axis))(cache, prefix_B, path, accepted_B))
     want = cache.copy()
     for b in range(B):
         for j in range(accepted_B[b] + 1):
