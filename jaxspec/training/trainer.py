@@ -21,7 +21,8 @@ different ones.
     OUT/train_config.json   settings (written at the start)
     OUT/train_log.jsonl     one line per step: loss, per-depth loss and accuracy, learning rate, grad norm
     OUT/checkpoints/<step>/ Orbax checkpoints
-    OUT/config.json, OUT/model.safetensors   the trained drafter (SGLang format, with d2t/t2d), written at the end
+    OUT/config.json, OUT/model.safetensors   the trained drafter, written at the end: SGLang format (with d2t/t2d),
+                                             or Eagle3DeepseekV2ForCausalLM for an MLA drafter (attention="mla")
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ CHECKPOINTS = "checkpoints"
 
 
 DEFAULT_DRAFT_VOCAB = 32000
+ATTENTION_KINDS = ("gqa", "mla")
 
 
-def _setting(default: Any, help: str, flag: str | None = None) -> Any:
-    """A TrainConfig field: its default, the help of its command-line flag, and the flag when not --<field-name>."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+def _setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A TrainConfig field: its default, the help of its command-line flag, the flag when not --<field-name>, and
+    the values it accepts when they are a fixed set."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,9 @@ class TrainConfig:
     intermediate_size: int | None = _setting(None, "drafter MLP width (default: the target's)")
     capture_layers: tuple[int, ...] | None = _setting(None, "target layer outputs to capture, e.g. 1,29,57")
     attention: str = _setting(
-        "gqa", "drafter attention: gqa (Llama drafter) or mla (the target's MLA, Eagle3DeepseekV2ForCausalLM)"
+        "gqa",
+        "drafter attention: gqa (Llama drafter) or mla (the target's MLA, exported as Eagle3DeepseekV2ForCausalLM)",
+        choices=ATTENTION_KINDS,
     )
 
     def resolve(self, tcfg: KimiConfig, dataset_seq_len: int) -> TrainConfig:
@@ -139,8 +144,8 @@ def _check_types(config: TrainConfig) -> None:
             isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1
         ):
             problems.append(f"{name}: expected a positive integer, got {v!r}")
-    if config.attention not in ("gqa", "mla"):
-        problems.append(f"attention: expected 'gqa' or 'mla', got {config.attention!r}")
+    if config.attention not in ATTENTION_KINDS:
+        problems.append(f"attention: expected one of {list(ATTENTION_KINDS)}, got {config.attention!r}")
     if problems:
         raise ValueError("train_drafter: " + "; ".join(problems))
 
@@ -282,7 +287,8 @@ def train_drafter(
     defaults: draft_vocab_size the most frequent min(32000, vocab_size) response tokens (== vocab_size: the full
     vocabulary); seq_len the dataset's (longer rows are cut, shorter padded and masked); warmup min(100, steps//10);
     heads / kv_heads / intermediate_size / capture_layers the target's attention heads, heads/8 KV heads, the target's
-    dense intermediate size and SpecForge's capture layers (target-layer outputs, 0-indexed).
+    dense intermediate size and SpecForge's capture layers (target-layer outputs, 0-indexed); attention "gqa" (a
+    Llama drafter) or "mla" (one MLA layer with the target's ranks, head dims and RoPE; needs a target q_lora_rank).
     checkpoint_every: steps between Orbax checkpoints. resume: continue from the latest checkpoint in `out_dir`.
     mesh: train on this mesh instead of the target's (data parallel over its data axis). dtype: of the returned and
     exported drafter (default: the target's); training is in float32. on_step(step, metrics) is called after every

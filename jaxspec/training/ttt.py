@@ -14,7 +14,9 @@ the target's softmax at position t+1+j restricted to the draft vocabulary (renor
 response token (loss mask) and the target's argmax at t+1+j is in the draft vocabulary; step j weighs 0.8^j.
 
 `ttt_forward` runs the drafter's own layer math (`Eagle3Model.layer_input` ... `head`, the code inference runs) on its
-parameters (through `nnx.merge`; no copies) in float32. It runs per device inside a shard_map with the mesh's model
+parameters (through `nnx.merge`; no copies) in float32. An MLA drafter's attention is the target's MLA module
+(`MLA.project`, `expanded_block`, `online_softmax`) with the same key set: its latent cache entries stand in for
+the keys. It runs per device inside a shard_map with the mesh's model
 axis (`ShardingRules.model_axis`) bound: the embedding may be vocab-split (its lookup sums over that axis); every
 other drafter weight must be whole (the trainer replicates them: data-parallel training)."""
 
