@@ -254,12 +254,15 @@ def test_bad_training_input(target, dataset, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- MLA drafter
+# Slow: the MLA run is one more compile of the whole training step (target forward, TTT unroll, gradients, AdamW):
+# 25-30 s on 2 cores. The default suite checks the MLA unroll itself against HF (tests/models/test_eagle3_mla.py).
 @pytest.fixture(scope="module")
 def trained_mla(target, dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("run_mla")
     return train_drafter(target, dataset, out, **RUN_MLA), out
 
 
+@pytest.mark.slow
 def test_mla_drafter_loss_decreases(trained_mla):
     drafter, out = trained_mla
     assert drafter.config.mla is not None and drafter.config.full_vocab and drafter.d2t is None
@@ -269,6 +272,7 @@ def test_mla_drafter_loss_decreases(trained_mla):
     assert loss[-4:].mean() < loss[:4].mean() - 0.3, loss
 
 
+@pytest.mark.slow
 def test_mla_ttt_equals_inference_and_hf_reference(target, trained_mla):
     """Step 0 of the MLA drafter's TTT unroll is its own uncached inference forward; every step equals an unroll built
     from HF's DeepseekV3Attention under the training-time-test mask (tests/reference/eagle3_mla.py), loaded from the
@@ -295,6 +299,7 @@ def test_mla_ttt_equals_inference_and_hf_reference(target, trained_mla):
     assert np.abs(ttt[1] - ttt[2]).max() > 1e-2  # the steps differ: a wrong mask or shift would show
 
 
+@pytest.mark.slow
 def test_mla_drafter_checkpoint_and_export_reload_equal(target, dataset, trained_mla, tmp_path):
     """The HF export (Eagle3DeepseekV2ForCausalLM) loads to the same config and weights; resuming the finished run
     restores its last Orbax checkpoint (the attention weights nested under "attn") to the same weights."""
