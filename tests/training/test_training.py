@@ -242,6 +242,10 @@ def test_bad_training_input(target, dataset, tmp_path):
         train_drafter(target, dataset, tmp_path / "a", **{**RUN, "warmup": 16})
     with pytest.raises(ValueError, match=r"kv_heads: 3 must divide heads 4"):
         train_drafter(target, dataset, tmp_path / "a", **{**RUN, "kv_heads": 3})
+    with pytest.raises(ValueError, match=r"kv_heads: an MLA drafter has one KV head per query head \(4\), got 2"):
+        train_drafter(target, dataset, tmp_path / "a", **{**RUN, "attention": "mla"})
+    with pytest.raises(ValueError, match=r"attention: expected one of \['gqa', 'mla'\], got 'MLA'"):
+        train_drafter(target, dataset, tmp_path / "a", **{**RUN, "attention": "MLA"})
     with pytest.raises(DatasetError, match="dataset directory .* does not exist"):
         train_drafter(target, tmp_path / "missing", tmp_path / "a", **RUN)
     other = tmp_path / "other_vocab"
