@@ -430,9 +430,20 @@ _KIMI_K25 = KimiConfig(
     pad_token_id=163839,
 )
 
-# Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B, config.json; the same numbers are in Megatron/slime's
-# scripts/models/moonlight.sh and NeMo Megatron-Bridge's Moonlight page): DeepSeek-V3 architecture with
-# q_lora_rank null (one q_proj), 27 layers (1 dense), 64 routed experts top-6 + 2 shared, no rope scaling, bf16.
+# Moonlight-16B-A3B, the base model (https://huggingface.co/moonshotai/Moonlight-16B-A3B, config.json): DeepSeek-V3
+# architecture with q_lora_rank null (one q_proj), 27 layers (1 dense), 64 routed experts top-6 + 2 shared, sigmoid
+# noaux_tc routing, no rope scaling, bf16. Checked value by value (2026-11-30) against copies, as the Hub file itself
+# is not in the searchable corpora:
+# - every value but eos_token_id: a verbatim copy of Moonlight-16B-A3B-Instruct's config.json at Hub revision
+#   4e735b07a89f73647dfab71ab91b840f362ede5b, vendored in a public Rust test (same architecture fields; no
+#   rope_scaling key, no pad_token_id; its eos_token_id is 163586, the Instruct's <|im_end|>);
+# - eos_token_id 163585: the base model's generation_config.json as re-published with a quantised copy of it
+#   (https://huggingface.co/nm-testing/Moonlight-16B-A3B.w4a16/blob/main/generation_config.json: [163585],
+#   max_length 8192);
+# - the shape, router and RoPE numbers again (not bos/eos, max_position_embeddings or norm_topk_prob): NVIDIA-NeMo/
+#   Megatron-Bridge src/megatron/bridge/models/deepseek/deepseek_provider.py (MoonlightModelProvider16B) and
+#   zyzshishui/slime (a THUDM/slime fork) scripts/models/moonlight.sh. NeMo's Moonlight docs page is NOT a source:
+#   it lists 8 shared experts, intermediate size 10944 and vocabulary 151,936, none of which the checkpoint has.
 _MOONLIGHT = KimiConfig(
     vocab_size=163840,
     hidden_size=2048,

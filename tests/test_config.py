@@ -133,7 +133,8 @@ def test_missing_config_file(tmp_path):
         KimiConfig.from_pretrained(tmp_path)
 
 
-# Moonlight-16B-A3B's config.json as published (moonshotai/Moonlight-16B-A3B), every field.
+# Moonlight-16B-A3B's config.json (moonshotai/Moonlight-16B-A3B; sources in the preset's comment, jaxspec/config.py):
+# every field but auto_map, ep_size and transformers_version, which the loader does not read.
 MOONLIGHT = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "attention_bias": False,

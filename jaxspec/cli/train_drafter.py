@@ -19,7 +19,10 @@ from pathlib import Path
 
 from jaxspec.cli.args import add_dtype_arg, add_mesh_arg
 
-HELP = "train an EAGLE-3 drafter for a target (optax, Orbax checkpoints, resumable); exports SGLang format"
+HELP = (
+    "train an EAGLE-3 drafter for a target (optax, Orbax checkpoints, resumable); exports SGLang format "
+    "(or Eagle3DeepseekV2ForCausalLM with --attention mla)"
+)
 DESCRIPTION = (
     "Generate the target's own responses to --prompts (or reuse --data), then train an EAGLE-3 "
     "drafter with the training-time-test unroll and export it to --out."
@@ -56,8 +59,9 @@ def add_train_config_args(group) -> None:
         flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         kind = next((t for t in (float, int) if t in (hints[f.name], *typing.get_args(hints[f.name]))), None)
         help = f.metadata["help"] + (" (%(default)s)" if f.default is not None else "")
-        metavar = flag[2:].upper().replace("-", "_")
-        group.add_argument(flag, dest=f.name, metavar=metavar, type=kind, default=f.default, help=help)
+        choices = f.metadata["choices"]
+        metavar = None if choices else flag[2:].upper().replace("-", "_")
+        group.add_argument(flag, dest=f.name, metavar=metavar, type=kind, default=f.default, help=help, choices=choices)
 
 
 def _fail(msg: str) -> SystemExit:
@@ -118,6 +122,8 @@ def _check_args(args) -> tuple:
         if getattr(args, flag) < 1:
             raise _fail(f"--{flag.replace('_', '-')}: expected a positive integer, got {getattr(args, flag)}")
     config = train_config(args)
+    if config.attention == "mla" and cfg.q_lora_rank is None:
+        raise _fail("--attention mla: an MLA drafter needs a query LoRA, and this target has q_lora_rank null")
     if config.capture_layers and not all(0 <= x < cfg.num_hidden_layers for x in config.capture_layers):
         layers = list(config.capture_layers)
         raise _fail(f"--capture-layers: {layers} must be layer outputs in [0, {cfg.num_hidden_layers})")

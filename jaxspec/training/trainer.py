@@ -21,7 +21,8 @@ different ones.
     OUT/train_config.json   settings (written at the start)
     OUT/train_log.jsonl     one line per step: loss, per-depth loss and accuracy, learning rate, grad norm
     OUT/checkpoints/<step>/ Orbax checkpoints
-    OUT/config.json, OUT/model.safetensors   the trained drafter (SGLang format, with d2t/t2d), written at the end
+    OUT/config.json, OUT/model.safetensors   the trained drafter, written at the end: SGLang format (with d2t/t2d),
+                                             or Eagle3DeepseekV2ForCausalLM for an MLA drafter (attention="mla")
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import KimiConfig
 from jaxspec.io import save_drafter
+from jaxspec.io.drafter_hf import hf_config
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, Split, concat_captured, draft_config_for
+from jaxspec.pytree import get_path
 from jaxspec.runtime import Drafter, Target
 from jaxspec.training.data import load_dataset, target_fingerprint
 from jaxspec.training.ttt import combine_terms, restrict_to_draft_vocab, ttt_forward, ttt_loss_terms
@@ -60,11 +63,13 @@ CHECKPOINTS = "checkpoints"
 
 
 DEFAULT_DRAFT_VOCAB = 32000
+ATTENTION_KINDS = ("gqa", "mla")
 
 
-def _setting(default: Any, help: str, flag: str | None = None) -> Any:
-    """A TrainConfig field: its default, the help of its command-line flag, and the flag when not --<field-name>."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+def _setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A TrainConfig field: its default, the help of its command-line flag, the flag when not --<field-name>, and
+    the values it accepts when they are a fixed set."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +95,18 @@ class TrainConfig:
     kv_heads: int | None = _setting(None, "drafter KV heads (default heads/8)")
     intermediate_size: int | None = _setting(None, "drafter MLP width (default: the target's)")
     capture_layers: tuple[int, ...] | None = _setting(None, "target layer outputs to capture, e.g. 1,29,57")
+    attention: str = _setting(
+        "gqa",
+        "drafter attention: gqa (Llama drafter) or mla (the target's MLA, exported as Eagle3DeepseekV2ForCausalLM)",
+        choices=ATTENTION_KINDS,
+    )
 
     def resolve(self, tcfg: KimiConfig, dataset_seq_len: int) -> TrainConfig:
         """Every setting checked (all problems named at once, as ValueError) and filled in for this target and
         dataset."""
         _check_types(self)
         heads = self.heads or tcfg.num_attention_heads
+        mla = self.attention == "mla"
         layers = tuple(sorted(int(x) for x in self.capture_layers)) if self.capture_layers else None
         out = dataclasses.replace(
             self,
@@ -103,15 +114,20 @@ class TrainConfig:
             seq_len=self.seq_len or dataset_seq_len,
             warmup=self.warmup if self.warmup is not None else min(100, self.steps // 10),
             heads=heads,
-            kv_heads=self.kv_heads or (heads // 8 if heads % 8 == 0 else heads),
+            # MLA expands every head's keys and values from the one shared latent: no separate KV heads.
+            kv_heads=self.kv_heads or (heads if mla or heads % 8 else heads // 8),
             intermediate_size=self.intermediate_size or tcfg.intermediate_size,
             capture_layers=layers,
         )
         _check_against_target(out, tcfg)
         if layers is None:
             layers = draft_config_for(tcfg, heads=out.heads, kv_heads=out.kv_heads).capture_layers
-        numbers = {k: (float(v) if k in ("lr", "weight_decay", "clip") else int(v)) for k, v in _scalars(out)}
+        numbers = {k: _number(k, v) for k, v in _scalars(out)}
         return dataclasses.replace(out, capture_layers=layers, **numbers)
+
+
+def _number(name: str, value: Any) -> Any:
+    return float(value) if name in ("lr", "weight_decay", "clip") else value if name == "attention" else int(value)
 
 
 def _scalars(config: TrainConfig) -> list[tuple[str, Any]]:
@@ -128,6 +144,8 @@ def _check_types(config: TrainConfig) -> None:
             isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1
         ):
             problems.append(f"{name}: expected a positive integer, got {v!r}")
+    if config.attention not in ATTENTION_KINDS:
+        problems.append(f"attention: expected one of {list(ATTENTION_KINDS)}, got {config.attention!r}")
     if problems:
         raise ValueError("train_drafter: " + "; ".join(problems))
 
@@ -150,9 +168,14 @@ def _check_against_target(c: TrainConfig, tcfg: KimiConfig) -> None:
         problems.append(f"clip: expected > 0, got {c.clip!r}")
     if not c.weight_decay >= 0:
         problems.append(f"weight_decay: expected >= 0, got {c.weight_decay!r}")
-    if D % c.heads or (D // c.heads) % 2:
+    if c.attention == "mla":  # head dims, ranks and RoPE are the target's attention's
+        if tcfg.q_lora_rank is None:
+            problems.append("attention: an MLA drafter needs a query LoRA, and this target has q_lora_rank null")
+        if c.kv_heads != c.heads:
+            problems.append(f"kv_heads: an MLA drafter has one KV head per query head ({c.heads}), got {c.kv_heads}")
+    elif D % c.heads or (D // c.heads) % 2:
         problems.append(f"heads: hidden_size {D} / heads {c.heads} must be an even integer head dim (for RoPE)")
-    if c.heads % c.kv_heads:
+    elif c.heads % c.kv_heads:
         problems.append(f"kv_heads: {c.kv_heads} must divide heads {c.heads}")
     layers = c.capture_layers
     if layers is not None and (len(set(layers)) != len(layers) or not all(0 <= x < L for x in layers)):
@@ -215,7 +238,7 @@ def _loss(plan: _Plan, params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, 
     batch = plan.target.rules.batch
 
     def local(params, embed, ids, aux, tgt, in_vocab, mask):
-        state = nnx.State({"embed": nnx.Param(embed), **{k: nnx.Param(v) for k, v in params.items()}})
+        state = nnx.State({"embed": nnx.Param(embed), **jax.tree.map(nnx.Param, params)})
         logits_JBTU = ttt_forward(nnx.merge(plan.graphdef, state), ids, aux, plan.config.ttt_depth)
         terms = ttt_loss_terms(logits_JBTU, tgt, in_vocab, mask)
         return terms if batch is None else jax.tree.map(lambda x: jax.lax.psum(x, batch), terms)
@@ -224,7 +247,7 @@ def _loss(plan: _Plan, params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, 
     fn = jax.shard_map(
         local,
         mesh=plan.target.mesh,
-        in_specs=({k: P() for k in params}, plan.embed_spec, rows, rows3, rows3, rows, rows),
+        in_specs=(jax.tree.map(lambda _: P(), params), plan.embed_spec, rows, rows3, rows3, rows, rows),
         out_specs=P(),
     )
     return combine_terms(fn(params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT))
@@ -264,7 +287,8 @@ def train_drafter(
     defaults: draft_vocab_size the most frequent min(32000, vocab_size) response tokens (== vocab_size: the full
     vocabulary); seq_len the dataset's (longer rows are cut, shorter padded and masked); warmup min(100, steps//10);
     heads / kv_heads / intermediate_size / capture_layers the target's attention heads, heads/8 KV heads, the target's
-    dense intermediate size and SpecForge's capture layers (target-layer outputs, 0-indexed).
+    dense intermediate size and SpecForge's capture layers (target-layer outputs, 0-indexed); attention "gqa" (a
+    Llama drafter) or "mla" (one MLA layer with the target's ranks, head dims and RoPE; needs a target q_lora_rank).
     checkpoint_every: steps between Orbax checkpoints. resume: continue from the latest checkpoint in `out_dir`.
     mesh: train on this mesh instead of the target's (data parallel over its data axis). dtype: of the returned and
     exported drafter (default: the target's); training is in float32. on_step(step, metrics) is called after every
@@ -292,7 +316,7 @@ def train_drafter(
     draft_cfg = _draft_config(target.config, config)
     d2t = None if draft_cfg.full_vocab else run.d2t
     final = _export_drafter(draft_cfg, target, run.params, d2t, dtype or target.dtype)
-    save_drafter(final, out_dir, format="sglang")
+    save_drafter(final, out_dir, format="mla" if draft_cfg.mla is not None else "sglang")
     return final
 
 
@@ -416,11 +440,15 @@ class _Run:
         return step_fn
 
 
-def _draft_config(tcfg, config: TrainConfig) -> Eagle3Config:
+def _draft_config(tcfg: KimiConfig, config: TrainConfig) -> Eagle3Config:
+    """The drafter's config; an MLA drafter's is the one its export reads back (the published layout's, parsed)."""
     cfg = draft_config_for(tcfg, heads=config.heads, kv_heads=config.kv_heads, capture_layers=config.capture_layers)
-    return dataclasses.replace(
-        cfg, intermediate_size=config.intermediate_size, draft_vocab_size=config.draft_vocab_size
-    )
+    cfg = dataclasses.replace(cfg, intermediate_size=config.intermediate_size, draft_vocab_size=config.draft_vocab_size)
+    if config.attention == "gqa":
+        return cfg
+    mla = tcfg.replace(hidden_size=cfg.hidden_size, num_attention_heads=config.heads)
+    cfg = dataclasses.replace(cfg, format="mla", mla=mla, num_key_value_heads=config.heads, head_dim=mla.qk_head_dim)
+    return Eagle3Config.from_hf_config(hf_config(cfg, "mla"), target_config=tcfg)
 
 
 def _fit_length(ids: np.ndarray, mask: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -498,25 +526,25 @@ def _host_metrics(metrics: dict[str, jax.Array], lr: float) -> dict[str, Any]:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _init_params(cfg: Eagle3Config, key: jax.Array) -> dict[str, jax.Array]:
+def _init_params(cfg: Eagle3Config, key: jax.Array) -> dict[str, Any]:
     """The drafter's initial weights (its own declared initializers), float32, without the embedding (XLA drops its
-    init: it is the target's). Compiled once per config."""
-    state = nnx.state(Eagle3Model(cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key)))
-    return {k: v.get_value() for k, v in state.items() if k != "embed"}
+    init: it is the target's), nested like the model (an MLA drafter's attention under "attn"). Compiled once per
+    config."""
+    state = nnx.to_pure_dict(nnx.state(Eagle3Model(cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key))))
+    return {k: v for k, v in state.items() if k != "embed"}
 
 
-def _export_drafter(cfg: Eagle3Config, target: Target, params: dict[str, jax.Array], d2t, dtype) -> Drafter:
+def _export_drafter(cfg: Eagle3Config, target: Target, params: dict[str, Any], d2t, dtype) -> Drafter:
     """The trained weights as a Drafter in `dtype`, laid out like an inference drafter on the target's mesh."""
     split = Split.plan(cfg, target.mesh.shape[target.rules.model_axis], target.rules)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(0))))
-    specs = Target.param_specs(abstract, target.rules)
+    specs = Target.param_specs(abstract, split.rules_for(target.rules))
 
     def place(path, var):
-        (key,) = path
-        if key == "embed":  # the target's own array, shared
+        if path == ("embed",):  # the target's own array, shared
             return path, var.replace(target.params["embed"].get_value())
-        value = params[key].astype(dtype)
-        return path, var.replace(jax.device_put(value, NamedSharding(target.mesh, specs[key])))
+        value = get_path(params, path).astype(dtype)
+        return path, var.replace(jax.device_put(value, NamedSharding(target.mesh, get_path(specs, path))))
 
     state = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
     d2t = None if d2t is None else np.asarray(d2t, np.int32)

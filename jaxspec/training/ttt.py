@@ -14,21 +14,28 @@ the target's softmax at position t+1+j restricted to the draft vocabulary (renor
 response token (loss mask) and the target's argmax at t+1+j is in the draft vocabulary; step j weighs 0.8^j.
 
 `ttt_forward` runs the drafter's own layer math (`Eagle3Model.layer_input` ... `head`, the code inference runs) on its
-parameters (through `nnx.merge`; no copies) in float32. It runs per device inside a shard_map with the mesh's model
+parameters (through `nnx.merge`; no copies) in float32. An MLA drafter's attention is the target's MLA module
+(`MLA.project`, `expanded_block`, `online_softmax`) with the same key set: its latent cache entries stand in for
+the keys. It runs per device inside a shard_map with the mesh's model
 axis (`ShardingRules.model_axis`) bound: the embedding may be vocab-split (its lookup sums over that axis); every
 other drafter weight must be whole (the trainer replicates them: data-parallel training)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxspec.models import rope
 from jaxspec.models.eagle3 import Eagle3Model, attention, float32, gqa_scores, group_queries
 from jaxspec.models.layers import NEG_INF
+from jaxspec.models.mla import online_softmax, softmax_finish, softmax_init
 from sharding.collectives import sharded_argmax
 from sharding.rules import DEFAULT_RULES
 
@@ -52,32 +59,43 @@ def ttt_forward(model: Eagle3Model, tokens_BT: jax.Array, aux_BTI: jax.Array, de
     """
     if depth < 1:
         raise ValueError(f"depth: expected >= 1 TTT steps, got {depth}")
-    cfg = model.config
-    if cfg.mla is not None:
-        raise NotImplementedError("training an MLA drafter: the training-time test runs the Llama drafter's attention")
     B, T = tokens_BT.shape
     h_BTD = model.fuse_captured(aux_BTI, jnp.float32, float32)
-    keys, values, logits = [], [], []
+    attend = _GQASteps(model) if model.config.mla is None else _MLASteps(model)
+    logits = []
     for j in range(depth):
         with jax.named_scope(f"ttt_step_{j}"):
             e_BTD = model.embed_tokens(shift_left(tokens_BT, 1 + j), jnp.float32)
             a_BTW, residual_BTD = model.layer_input(e_BTD, h_BTD, float32)
             pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + j, (B, T))
-            q_BTNZ, k_BTOZ, v_BTOZ = model.project_qkv(a_BTW, pos_BT, float32)
-            keys.append(k_BTOZ)
-            values.append(v_BTOZ)
-            attn_BTD = model.project_out(_ttt_attention(q_BTNZ, keys, values), float32)
             # The trainer replicates every weight but the embedding: nothing to reduce over the model axis.
-            h1_BTD = model.add_attention(residual_BTD, attn_BTD, jnp.float32, reduce=False)
+            h1_BTD = model.add_attention(residual_BTD, attend(a_BTW, pos_BT), jnp.float32, reduce=False)
             h_BTD = model.mlp(h1_BTD, jnp.float32, float32, reduce=False)
             logits.append(model.head(h_BTD, float32))
     return jnp.stack(logits)
 
 
+def _causal_1TS(T: int) -> jax.Array:
+    return (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]
+
+
+class _GQASteps:
+    """The Llama drafter's attention of successive TTT steps (fp32 o_proj output [B,T,D]); keeps every step's keys."""
+
+    def __init__(self, model: Eagle3Model):
+        self.model, self.keys, self.values = model, [], []
+
+    def __call__(self, a_BTW: jax.Array, pos_BT: jax.Array) -> jax.Array:
+        q_BTNZ, k_BTOZ, v_BTOZ = self.model.project_qkv(a_BTW, pos_BT, float32)
+        self.keys.append(k_BTOZ)
+        self.values.append(v_BTOZ)
+        return self.model.project_out(_ttt_attention(q_BTNZ, self.keys, self.values), float32)
+
+
 def _ttt_attention(q_BTNZ: jax.Array, keys: list[jax.Array], values: list[jax.Array]) -> jax.Array:
     """Step j = len(keys) - 1: attend to step-0 keys causally and to row t's own keys of steps 1..j."""
     B, T, N, Z = q_BTNZ.shape
-    causal_1TS = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]
+    causal_1TS = _causal_1TS(T)
     if len(keys) == 1:
         return attention(q_BTNZ, keys[0], values[0], causal_1TS)
     q_BTOPZ = group_queries(q_BTNZ, keys[0].shape[2])
@@ -89,6 +107,46 @@ def _ttt_attention(q_BTNZ: jax.Array, keys: list[jax.Array], values: list[jax.Ar
         "BOPTJ,JBTOZ->BTOPZ", p[..., T:], v_JBTOZ
     )
     return out_BTOPZ.reshape(B, T, N, Z)
+
+
+class _MLASteps:
+    """The MLA drafter's attention of successive TTT steps (fp32 o_proj output [B,T,D]), with the keys of the GQA
+    path: step-0 latents causally, then row t's own latents of steps 1..j. The target's MLA math in its expanded form
+    (what the drafter's uncached first step runs), on a float32 copy of the attention weights; keeps every step's
+    latent cache entries."""
+
+    def __init__(self, model: Eagle3Model):
+        graphdef, state = nnx.split(model.attn)
+        self.attn = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), state))
+        self.freqs, self.factor = jnp.asarray(model.rope_freqs, jnp.float32), model.rope_factor
+        self.latents: list[jax.Array] = []
+
+    def __call__(self, a_BTW: jax.Array, pos_BT: jax.Array) -> jax.Array:
+        attn, C, T = self.attn, self.attn.kv_a_norm.shape[0], a_BTW.shape[1]
+        q_nope_BTNH, q_rope_BTNR, new_BTY = attn.project(a_BTW, rope.cos_sin(pos_BT, self.freqs, self.factor))
+        self.latents.append(new_BTY)
+        with jax.named_scope("ttt_mla_attention"):
+            state = softmax_init(q_nope_BTNH, attn.kv_b_v.shape[-1])
+            block = attn.expanded_block(q_nope_BTNH, q_rope_BTNR, C)
+            state = online_softmax(state, *block(self.latents[0]), _causal_1TS(T), attn.softmax_scale)
+            if len(self.latents) > 1:
+                same_row = _same_row_block(attn, q_nope_BTNH, q_rope_BTNR, jnp.stack(self.latents[1:]))
+                visible_1TJ = jnp.ones((1, T, len(self.latents) - 1), bool)
+                state = online_softmax(state, *same_row, visible_1TJ, attn.softmax_scale)
+            out_BTNA = softmax_finish(state, jnp.float32)
+        return jnp.einsum("BTNA,NAD->BTD", out_BTNA, attn.o[...])
+
+
+def _same_row_block(attn, q_nope_BTNH, q_rope_BTNR, latents_JBTY) -> tuple[jax.Array, Callable]:
+    """(scores [B,N,T,J], mixing) of query row t against row t's own latent entries of steps 1..J: per-head keys and
+    values expanded from each entry, as `MLA.expanded_block` expands a block (only the diagonal is computed)."""
+    C = attn.kv_a_norm.shape[0]
+    latent_JBTC, k_rope_JBTR = latents_JBTY[..., :C], latents_JBTY[..., C:]
+    k_nope_JBTNH = jnp.einsum("JBTC,CNH->JBTNH", latent_JBTC, attn.kv_b_k[...])
+    v_JBTNA = jnp.einsum("JBTC,CNA->JBTNA", latent_JBTC, attn.kv_b_v[...])
+    s_BNTJ = jnp.einsum("BTNH,JBTNH->BNTJ", q_nope_BTNH, k_nope_JBTNH)
+    s_BNTJ += jnp.einsum("BTNR,JBTR->BNTJ", q_rope_BTNR, k_rope_JBTR)
+    return s_BNTJ, lambda p_BNTJ: jnp.einsum("BNTJ,JBTNA->BTNA", p_BNTJ, v_JBTNA)
 
 
 # ----------------------------------------------------------------------------------------------- the target side
@@ -152,24 +210,24 @@ def ttt_logits(drafter, token_ids, aux_hidden, depth: int) -> jax.Array:
     return _jit_ttt_logits(drafter, drafter.params, tokens, aux, depth)
 
 
-def drafter_param_specs(drafter, params) -> dict[str, PartitionSpec]:
-    """shard_map specs for TTT: the embedding keeps its (vocab-split) layout, every other weight is whole."""
-    return {
-        k: drafter.rules.spec(v.get_metadata()["logical_axes"]) if k == "embed" else PartitionSpec()
-        for k, v in params.items()
-    }
+def drafter_param_specs(drafter, params) -> dict[str, Any]:
+    """shard_map specs for TTT, nested like `nnx.to_pure_dict(params)` (an MLA drafter's attention weights under
+    "attn"): the embedding keeps its (vocab-split) layout, every other weight is whole."""
+    embed = drafter.rules.spec(params["embed"].get_metadata()["logical_axes"])
+    whole = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)  # noqa: E731
+    return {k: embed if k == "embed" else whole(v) for k, v in nnx.to_pure_dict(params).items()}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _jit_ttt_logits(drafter, params, tokens_BT, aux_BTI, depth):
-    from flax import nnx
-
     mesh, batch = drafter.mesh, drafter.rules.batch
     specs = drafter_param_specs(drafter, params)
-    params = {k: jax.sharding.reshard(v.get_value(), NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    params = jax.tree.map(
+        lambda v, spec: jax.sharding.reshard(v, NamedSharding(mesh, spec)), nnx.to_pure_dict(params), specs
+    )
 
     def local(params, tokens, aux):
-        model = nnx.merge(drafter.graphdef, nnx.State({k: nnx.Param(v) for k, v in params.items()}))
+        model = nnx.merge(drafter.graphdef, nnx.State(jax.tree.map(nnx.Param, params)))
         return ttt_forward(model, tokens, aux, depth)
 
     tokens_BT = jax.sharding.reshard(tokens_BT, NamedSharding(mesh, PartitionSpec(batch, None)))

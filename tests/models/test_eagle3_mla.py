@@ -1,6 +1,7 @@
 """MLA EAGLE-3 drafters (`Eagle3DeepseekV2ForCausalLM`, as published for Kimi-K2.5): loading the published config and
 tensor names, parity with a reference built from HF DeepseekV3 classes (tests/reference/eagle3_mla.py), cached
-steps, 8 devices, drafting in `generate`, and export.
+steps, the training-time-test unroll, 8 devices, drafting in `generate`, and export. (Training one end to end:
+tests/training/test_training.py.)
 
 The tiny target is an HF `DeepseekV3ForCausalLM` (yarn RoPE, 4 layers); the drafter has the full vocabulary (no
 d2t/t2d) and reuses the target's embedding, as the published checkpoint does.
@@ -21,6 +22,7 @@ from transformers import DeepseekV3ForCausalLM, DynamicCache
 from converters.__main__ import main as convert_main
 from jaxspec import ConfigError, generate
 from jaxspec.io import load_drafter, load_target, save_drafter
+from jaxspec.training.ttt import ttt_logits
 from sharding.mesh import make_mesh
 from tests.reference import eagle3_mla as ref
 from tests.reference.hf_tiny import hf_config
@@ -132,6 +134,24 @@ def test_matches_reference_first_and_cached_steps(drafter_ckpt, target, inputs):
     assert rel_err(got1, want1.numpy()) < 1e-4 and rel_err(h2_got, h2_ref.numpy()) < 1e-4
     got2, _, _ = drafter.forward(ids[:, -1:], np.asarray(h2_got)[:, -1:], pos[:, -1:].numpy(), cache, first_step=False)
     assert rel_err(got2, want2.numpy()) < 1e-4
+
+
+def test_ttt_unroll_matches_inference_and_reference(drafter_ckpt, target, inputs):
+    """The MLA drafter's training-time-test unroll: step 0 is its own uncached inference forward (row t pairs the
+    state of position t with token t+1), and every step equals the reference unroll, which runs HF's
+    DeepseekV3Attention (a dense masked softmax) over the steps' attention inputs laid end to end under the TTT mask
+    (`ref.ttt_mask`: step-0 keys causally, then row t's own keys of steps 1..j)."""
+    path, model = drafter_ckpt
+    ids, aux = inputs
+    drafter, J = load_drafter(path, target, dtype=jnp.float32), 3
+    got = np.asarray(ttt_logits(drafter, ids, aux.numpy(), J))[:, 0]
+    first = np.asarray(drafter.logits(aux.numpy(), np.append(ids[0, 1:], 0)[None]))[0]
+    np.testing.assert_allclose(got[0], first, atol=2e-5, rtol=0)
+    with torch.no_grad():
+        want = ref.ttt_logits(model, torch.from_numpy(ids), aux, J)[:, 0].numpy()
+    for j in range(J):
+        assert rel_err(got[j], want[j]) < 1e-4, f"TTT step {j}"
+    assert rel_err(got[2], got[1]) > 1e-2  # the steps differ: a wrong mask or shift would show
 
 
 @pytest.fixture(scope="module")

@@ -79,3 +79,34 @@ def make_drafter(
 def checkpoint_tensors(model: Eagle3MLADrafter) -> dict[str, np.ndarray]:
     """The published tensor names and values (rotary buffers left out)."""
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if "rotary" not in k}
+
+
+def ttt_mask(T: int, steps: int) -> torch.Tensor:
+    """Additive attention mask [1, 1, steps*T, steps*T] over `steps` copies of a T-token sequence laid end to end
+    (copy i holds TTT step i's rows): query (i, t) sees step 0's keys up to t (causal) and its own row t's keys of
+    steps 1..i (EAGLE-3 paper, Sec. 3.3 "training-time test"; SpecForge's unrolled attention)."""
+    step, pos = torch.arange(steps).repeat_interleave(T), torch.arange(T).repeat(steps)
+    q_step, q_pos, k_step, k_pos = step[:, None], pos[:, None], step[None], pos[None]
+    visible = ((k_step == 0) & (k_pos <= q_pos)) | ((k_step >= 1) & (k_step <= q_step) & (k_pos == q_pos))
+    return torch.where(visible, 0.0, float("-inf"))[None, None]
+
+
+def ttt_logits(model: Eagle3MLADrafter, ids: torch.Tensor, aux: torch.Tensor, steps: int) -> torch.Tensor:
+    """The training-time-test unroll [steps, B, T, V], from the EAGLE-3 recipe: row t of step 0 pairs target state t
+    with token t+1 at position t; step j feeds step j-1's h2 with token t+1+j (0 past the end) at position t+j.
+    Attention of step j runs HF's DeepseekV3Attention (eager: a dense masked softmax) over the attention inputs of
+    steps 0..j concatenated along the sequence, under `ttt_mask`."""
+    L = model.midlayer
+    B, T = ids.shape
+    h, xs, positions, out = model.fc(aux), [], [], []
+    for j in range(steps):
+        tokens = torch.zeros_like(ids)
+        tokens[:, : T - 1 - j] = ids[:, 1 + j :]
+        xs.append(torch.cat([L.input_layernorm(model.embed[tokens]), L.hidden_norm(h)], dim=-1))
+        positions.append(torch.arange(T) + j)
+        x, pos = torch.cat(xs, dim=1), torch.cat(positions)[None].expand(B, -1)
+        attn, _ = L.self_attn(x, position_embeddings=model.rotary(x, pos), attention_mask=ttt_mask(T, j + 1))
+        h1 = h + attn[:, -T:]  # the rows of step j
+        h = h1 + L.mlp(L.post_attention_layernorm(h1))
+        out.append(model.lm_head(model.norm(h)))
+    return torch.stack(out)

@@ -74,6 +74,19 @@ def test_bad_arguments(config_dir, tmp_path):
             run(*argv)
 
 
+def test_bad_attention_arguments(tmp_path, capsys):
+    """An unknown --attention is an argparse error; an MLA drafter for a target without a query LoRA is refused
+    before its weights load."""
+    no_q_lora = tmp_path / "no_q_lora"
+    hf_config("kimi", q_lora_rank=None).save_pretrained(no_q_lora)
+    base = ["--target", no_q_lora, "--out", tmp_path / "out", "--data", fake_dataset(tmp_path / "data")]
+    with pytest.raises(SystemExit, match="--attention mla: an MLA drafter needs a query LoRA"):
+        run(*base, "--attention", "mla")
+    with pytest.raises(SystemExit):
+        run(*base, "--attention", "gqa2")
+    assert "argument --attention: invalid choice: 'gqa2' (choose from" in capsys.readouterr().err
+
+
 def test_training_flags_are_the_train_config_fields(tmp_path):
     """Every TrainConfig field has a flag (and nothing else lands in it): a command line setting each of them to a
     value other than its default gives exactly that TrainConfig; no flags give the defaults."""
@@ -85,7 +98,7 @@ def test_training_flags_are_the_train_config_fields(tmp_path):
     assert train_cli.train_config(parser.parse_args(base)) == TrainConfig()
     flags = ["--draft-vocab", "100", "--ttt-depth", "2", "--steps", "7", "--batch-size", "4", "--seq-len", "64"]
     flags += ["--lr", "0.003", "--warmup", "2", "--weight-decay", "0.1", "--clip", "1.5", "--seed", "9", "--heads", "4"]
-    flags += ["--kv-heads", "2", "--intermediate-size", "48", "--capture-layers", "0,2"]
+    flags += ["--kv-heads", "2", "--intermediate-size", "48", "--capture-layers", "0,2", "--attention", "mla"]
     expected = TrainConfig(
         draft_vocab_size=100,
         ttt_depth=2,
@@ -101,13 +114,15 @@ def test_training_flags_are_the_train_config_fields(tmp_path):
         kv_heads=2,
         intermediate_size=48,
         capture_layers=(0, 2),
+        attention="mla",
     )
     assert {f for f in TrainConfig.__dataclass_fields__ if getattr(expected, f) == getattr(TrainConfig(), f)} == set()
     assert train_cli.train_config(parser.parse_args([*base, *flags])) == expected
 
 
 @pytest.mark.slow
-def test_train_drafter_command_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_train_drafter_command_end_to_end(tmp_path, capsys, attention):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from jaxspec.io import load_drafter, load_target
@@ -122,7 +137,8 @@ def test_train_drafter_command_end_to_end(tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the quick fox", "a lazy dog runs"] * 4))
     out = tmp_path / "out"
     argv = ["--target", target_dir, "--prompts", prompts, "--out", out, "--dtype", "float32", "--draft-vocab", 32]
-    argv += ["--max-new-tokens", 6, "--batch-size", 4, "--heads", 4, "--kv-heads", 2, "--lr", 1e-3, "--warmup", 1]
+    argv += ["--max-new-tokens", 6, "--batch-size", 4, "--heads", 4, "--lr", 1e-3, "--warmup", 1]
+    argv += ["--attention", "mla"] if attention == "mla" else ["--kv-heads", 2]
     assert run(*argv, "--steps", 3, "--checkpoint-every", 2) == 0
     printed = capsys.readouterr().out
     assert "step 3: loss" in printed and f"written to {out}" in printed
@@ -130,6 +146,7 @@ def test_train_drafter_command_end_to_end(tmp_path, capsys):
     assert manifest["complete"] and manifest["num_sequences"] == 8
     drafter = load_drafter(out, load_target(target_dir, dtype=jnp.float32), dtype=jnp.float32)
     assert drafter.config.draft_vocab_size == 32 and drafter.config.num_attention_heads == 4
+    assert (drafter.config.mla is not None) == (attention == "mla")
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 3
     # --resume of a finished run exports again; changed settings are refused.
     assert run(*argv, "--steps", 3, "--resume") == 0

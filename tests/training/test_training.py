@@ -1,5 +1,6 @@
 """Drafter training end to end on a tiny HF target: data generation (resumable), the training-time test against the
-drafter's own cached inference and against `speculators`, loss going down, exact resume, data parallel, export.
+drafter's own cached inference and against `speculators`, loss going down, exact resume, data parallel, export; and an
+MLA drafter (`attention="mla"`) trained, checked against HF DeepseekV3 attention, exported and restored.
 
 One target, one dataset and one uninterrupted training run per module (compiles dominate the time on CPU). The
 target's lm_head is scaled up so its next-token distributions are peaked (a random model's are nearly uniform, and
@@ -16,12 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
+from safetensors.numpy import load_file
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+from transformers import DeepseekV3Config
 
 from jaxspec.io import load_drafter, load_target, save_drafter
 from jaxspec.training import DatasetError, generate_dataset, load_dataset, train_drafter
 from jaxspec.training.ttt import ttt_logits
 from sharding.mesh import make_mesh
+from tests.reference import eagle3_mla as mla_ref
 from tests.reference import eagle3_speculators as ref
 from tests.reference.hf_tiny import make_hf_model
 
@@ -34,6 +39,8 @@ RUN = dict(
     draft_vocab_size=64, steps=STEPS, batch_size=BATCH, lr=3e-3, warmup=2, seed=1, checkpoint_every=5, ttt_depth=2
 )
 RUN |= dict(heads=4, kv_heads=2, intermediate_size=96, progress=False)
+# The MLA drafter: the target's MLA geometry with 4 heads, the full vocabulary (as the published Kimi MLA drafter).
+RUN_MLA = RUN | dict(attention="mla", kv_heads=None, draft_vocab_size=V)
 
 
 def rel_err(a, b) -> float:
@@ -235,6 +242,10 @@ def test_bad_training_input(target, dataset, tmp_path):
         train_drafter(target, dataset, tmp_path / "a", **{**RUN, "warmup": 16})
     with pytest.raises(ValueError, match=r"kv_heads: 3 must divide heads 4"):
         train_drafter(target, dataset, tmp_path / "a", **{**RUN, "kv_heads": 3})
+    with pytest.raises(ValueError, match=r"kv_heads: an MLA drafter has one KV head per query head \(4\), got 2"):
+        train_drafter(target, dataset, tmp_path / "a", **{**RUN, "attention": "mla"})
+    with pytest.raises(ValueError, match=r"attention: expected one of \['gqa', 'mla'\], got 'MLA'"):
+        train_drafter(target, dataset, tmp_path / "a", **{**RUN, "attention": "MLA"})
     with pytest.raises(DatasetError, match="dataset directory .* does not exist"):
         train_drafter(target, tmp_path / "missing", tmp_path / "a", **RUN)
     other = tmp_path / "other_vocab"
@@ -244,3 +255,69 @@ def test_bad_training_input(target, dataset, tmp_path):
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DatasetError, match="made for a target with vocab_size 512, this target has 256"):
         train_drafter(target, other, tmp_path / "a", **RUN)
+
+
+# ----------------------------------------------------------------------------------------------- MLA drafter
+# Slow: the MLA run is one more compile of the whole training step (target forward, TTT unroll, gradients, AdamW):
+# 25-30 s on 2 cores. The default suite checks the MLA unroll itself against HF (tests/models/test_eagle3_mla.py).
+@pytest.fixture(scope="module")
+def trained_mla(target, dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run_mla")
+    return train_drafter(target, dataset, out, **RUN_MLA), out
+
+
+@pytest.mark.slow
+def test_mla_drafter_loss_decreases(trained_mla):
+    drafter, out = trained_mla
+    assert drafter.config.mla is not None and drafter.config.full_vocab and drafter.d2t is None
+    log = read_log(out)
+    assert [e["step"] for e in log] == list(range(1, STEPS + 1))
+    loss = np.array([e["loss"] for e in log])
+    assert loss[-4:].mean() < loss[:4].mean() - 0.3, loss
+
+
+@pytest.mark.slow
+def test_mla_ttt_equals_inference_and_hf_reference(target, trained_mla):
+    """Step 0 of the MLA drafter's TTT unroll is its own uncached inference forward; every step equals an unroll built
+    from HF's DeepseekV3Attention under the training-time-test mask (tests/reference/eagle3_mla.py), loaded from the
+    trained drafter's HF export."""
+    drafter, out = trained_mla
+    J = 3
+    ids = np.random.default_rng(2).integers(0, V, (1, T))
+    aux = np.asarray(drafter.aux_hidden(ids))
+    ttt = np.asarray(ttt_logits(drafter, ids, aux, J))[:, 0]
+    first = np.asarray(drafter.logits(aux, np.append(ids[0, 1:], 0)[None]))[0]
+    np.testing.assert_allclose(ttt[0], first, atol=2e-5, rtol=0)
+
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    embed = np.asarray(target.params["embed"].get_value())
+    model = mla_ref.Eagle3MLADrafter(DeepseekV3Config(**raw), target.config.hidden_size, 3, embed).eval()
+    tensors = {k: torch.from_numpy(v) for k, v in load_file(out / "model.safetensors").items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        want = mla_ref.ttt_logits(model, torch.from_numpy(ids), torch.from_numpy(aux), J)[:, 0].numpy()
+    for j in range(J):
+        assert rel_err(ttt[j], want[j]) < 1e-4, f"TTT step {j}"
+    assert np.abs(ttt[1] - ttt[2]).max() > 1e-2  # the steps differ: a wrong mask or shift would show
+
+
+@pytest.mark.slow
+def test_mla_drafter_checkpoint_and_export_reload_equal(target, dataset, trained_mla, tmp_path):
+    """The HF export (Eagle3DeepseekV2ForCausalLM) loads to the same config and weights; resuming the finished run
+    restores its last Orbax checkpoint (the attention weights nested under "attn") to the same weights."""
+    drafter, out = trained_mla
+    want = dict(nnx.to_flat_state(drafter.params))
+    assert ("attn", "kv_b_k") in want
+
+    def assert_same(other):
+        assert other.config == drafter.config
+        got = dict(nnx.to_flat_state(other.params))
+        assert got.keys() == want.keys()
+        for path, var in got.items():
+            np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want[path].get_value()), str(path))
+
+    assert_same(load_drafter(out, target, dtype=jnp.float32))
+    shutil.copytree(out, tmp_path / "run")
+    assert_same(train_drafter(target, dataset, tmp_path / "run", **RUN_MLA, resume=True))
