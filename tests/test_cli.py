@@ -37,12 +37,13 @@ def test_unknown_collective_preset():
         main(["--collective-preset", "fast", "predict"])
 
 
-def test_generate_with_ids_and_stats(capsys):
-    argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--prompt", "7,8"]
-    assert main([*argv, "--num-steps", "2", "--max-new-tokens", "6", "--stats"]) == 0
+def test_generate_tree_with_ids_and_stats(capsys):
+    argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--prompt", "7,8", "--topk", "2"]
+    assert main([*argv, "--num-steps", "2", "--num-draft-tokens", "4", "--max-new-tokens", "6", "--stats"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("[0] ") and "\n[1] " in out
-    assert "draft position 2: reached" in out and "mean accepted length" in out
+    assert "num_steps 2, topk 2, 4 draft tokens" in out
+    assert "draft depth 2: reached" in out and "mean accepted length" in out
 
 
 def test_generate_text_prompt_needs_a_tokenizer():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from jaxspec.cli.args import (
@@ -41,6 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ids", action="store_true", help="prompts are comma-separated token ids, not text")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     add_num_steps_args(p, default="3", auto_help="the recommended_k of --tune DIR/tune.json")
+    p.add_argument(
+        "--topk",
+        type=int,
+        default=1,
+        help="tree drafts: children kept per frontier node, 1 = a chain (%(default)s); --num-steps is the tree depth",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="tree drafts: nodes verified per cycle, the root included (default: every candidate, at most 64)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (%(default)s)")
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling (%(default)s)"
@@ -61,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """Everything checkable without a model, before anything loads: raise UsageError on the first problem."""
-    from jaxspec.decoding.generate import MAX_NUM_STEPS
+    from jaxspec.decoding.generate import MAX_NUM_STEPS, check_tree
 
     def fail(message: str):
         raise UsageError("generate", message)
@@ -70,6 +83,10 @@ def check(args: argparse.Namespace) -> None:
     args.num_steps = num_steps(args)
     if not 0 <= args.num_steps <= MAX_NUM_STEPS:
         fail(f"--num-steps: expected 0..{MAX_NUM_STEPS} draft tokens per cycle, got {args.num_steps}")
+    try:
+        check_tree(args.num_steps, args.topk, args.num_draft_tokens, None)
+    except ValueError as e:  # the library's message, naming the flags
+        fail(re.sub(r"\b(topk|num_steps|num_draft_tokens)\b", lambda m: "--" + m[1].replace("_", "-"), str(e)))
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens: expected an integer >= 1, got {args.max_new_tokens}")
     if not 0 <= args.temperature < float("inf"):
@@ -211,6 +228,8 @@ def _runner(args: argparse.Namespace, target, drafter, prompts: list, tokenizer)
             prompts,
             max_new_tokens=args.max_new_tokens,
             num_steps=k,
+            topk=args.topk if k else 1,
+            num_draft_tokens=args.num_draft_tokens if k else None,
             tokenizer=tokenizer,
             on_cycles=on_cycles,
             loops=loops,
@@ -221,14 +240,17 @@ def _runner(args: argparse.Namespace, target, drafter, prompts: list, tokenizer)
 
 
 def _print_stats(s: dict[str, Any], pair: str) -> None:
-    print(f"{pair}; num_steps {s['num_steps']}")
+    tree = f", topk {s['topk']}, {s['num_draft_tokens']} draft tokens" if s["topk"] > 1 else ""
+    print(f"{pair}; num_steps {s['num_steps']}{tree}")
     print(
         f"{s['new_tokens']} new tokens in {s['cycles']} cycles, {s['seconds']:.2f}s "
         f"({s['tokens_per_second']:.1f} tok/s incl. compile on first call; {s['compiles']} compile(s))"
     )
     print(f"mean accepted length (incl. bonus): {s['mean_accepted_length']:.2f}")
     for j, (r, a) in enumerate(zip(s["reached"], s["accepted"], strict=True), start=1):
-        print(f"  draft position {j}: reached {r}, accepted {a} ({a / max(r, 1):.1%})")
+        print(
+            f"  draft {'depth' if s['topk'] > 1 else 'position'} {j}: reached {r}, accepted {a} ({a / max(r, 1):.1%})"
+        )
 
 
 def _print_speedup(k: int, spec: dict[str, Any], plain: dict[str, Any]) -> None:
