@@ -134,6 +134,33 @@ class PhaseTimer:
 
         return self._time(("verify", tokens), build, warmup=warmup, reps=reps)
 
+    def tree_verify(self, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
+        """Target verify of a draft tree of `tokens` nodes (the root included) under its ancestor mask, capturing the
+        drafter's layers, greedy head. The tree is the complete binary one (node t's parent is (t - 1) // 2); the
+        cost depends on the node count, not the shape."""
+        target, capture = self.target, self.drafter.capture_layers
+        self._pos(tokens)  # the tree's nodes take cache slots context..context + tokens - 1
+        parent = np.arange(tokens) - 1 >> 1
+        depth = np.array([0 if t == 0 else int(np.log2(t + 1)) for t in range(tokens)], np.int32)
+        mask = np.eye(tokens, dtype=bool)
+        for t in range(1, tokens):
+            mask[t] |= mask[parent[t]]
+        mask_BTS = self._put(np.broadcast_to(mask, (self.batch, tokens, tokens)).copy())
+        pos_BT = self._put(np.broadcast_to(self.context + depth, (self.batch, tokens)).copy())
+
+        def body(params, pos, mask, tokens_BT, cache):
+            out, cache, captured = target_forward(
+                target, params, tokens_BT, pos, cache, capture=capture, greedy=True, tree_mask_BTS=mask
+            )
+            nudge = (jnp.sum(captured[:, :, :1, :1]) * 0).astype(jnp.int32)
+            return out + nudge, cache
+
+        def build():
+            carry = (self._ids(tokens), target.init_cache(self.batch, self.cache_len))
+            return body, (target.params, pos_BT, mask_BTS), carry
+
+        return self._time(("tree_verify", tokens), build, warmup=warmup, reps=reps)
+
     def draft_step(self, *, warmup: int = 1, reps: int = 5) -> float:
         """One drafter step (1 token from the previous h2) and its greedy draft token choice."""
         drafter = self.drafter

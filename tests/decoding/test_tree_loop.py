@@ -24,28 +24,25 @@ from tests.decoding.test_spec_loop import check_pairs_follow_target
 
 CFG = KimiConfig.preset("tiny")
 RNG = np.random.default_rng(11)
-PROMPTS = {n: [RNG.integers(2, CFG.vocab_size, size=int(s)).tolist() for s in RNG.integers(1, 12, n)] for n in (3, 8)}
+PROMPTS = [RNG.integers(2, CFG.vocab_size, size=int(s)).tolist() for s in RNG.integers(1, 12, 8)]
 NEW = 14
 
 
 @pytest.fixture(scope="module")
 def plain(target):
-    """Per batch: (the plain greedy continuations, a stop id that ends the middle prompt half way, plain greedy with
-    that stop id: ragged ends)."""
-    out = {}
-    for n, prompts in PROMPTS.items():
-        full = generate(target, None, prompts, max_new_tokens=NEW, num_steps=0).tokens
-        stop = [full[len(prompts) // 2][NEW // 2]]
-        ref = generate(target, None, prompts, max_new_tokens=NEW, num_steps=0, stop=stop).tokens
-        assert any(len(t) < NEW for t in ref), "the stop id must end a sequence early"
-        out[n] = full, stop, ref
-    return out
+    """(the plain greedy continuations, a stop id that ends the middle prompt half way, plain greedy with that stop
+    id: ragged ends)."""
+    full = generate(target, None, PROMPTS, max_new_tokens=NEW, num_steps=0).tokens
+    stop = [full[len(PROMPTS) // 2][NEW // 2]]
+    ref = generate(target, None, PROMPTS, max_new_tokens=NEW, num_steps=0, stop=stop).tokens
+    assert any(len(t) < NEW for t in ref), "the stop id must end a sequence early"
+    return full, stop, ref
 
 
 def test_greedy_tree_equals_plain(target, drafter, plain):
-    _, stop, ref = plain[8]
+    _, stop, ref = plain
     kwargs = dict(max_new_tokens=NEW, num_steps=2, topk=3, num_draft_tokens=5, stop=stop)
-    out = generate(target, drafter, PROMPTS[8], **kwargs)
+    out = generate(target, drafter, PROMPTS, **kwargs)
     assert out.tokens == ref
     s = out.stats
     assert s["topk"] == 3 and s["num_draft_tokens"] == 5
@@ -54,15 +51,15 @@ def test_greedy_tree_equals_plain(target, drafter, plain):
 
 @pytest.mark.slow  # the same with every candidate verified (num_draft_tokens default), ~30 s
 def test_greedy_tree_all_candidates_equals_plain(target, drafter, plain):
-    _, stop, ref = plain[3]
-    out = generate(target, drafter, PROMPTS[3], max_new_tokens=NEW, num_steps=3, topk=2, stop=stop)
+    _, stop, ref = plain
+    out = generate(target, drafter, PROMPTS, max_new_tokens=NEW, num_steps=3, topk=2, stop=stop)
     assert out.tokens == ref and out.stats["num_draft_tokens"] == 1 + 2 + 2 * 4
 
 
 def test_greedy_tree_on_eight_devices_equals_plain(target, plain):
     sharded = target.on_mesh(make_mesh("1x8"))
-    _, stop, ref = plain[8]
-    out = generate(sharded, random_drafter(sharded), PROMPTS[8], max_new_tokens=NEW, num_steps=2, topk=2, stop=stop)
+    _, stop, ref = plain
+    out = generate(sharded, random_drafter(sharded), PROMPTS, max_new_tokens=NEW, num_steps=2, topk=2, stop=stop)
     assert out.tokens == ref
 
 
@@ -80,15 +77,15 @@ def test_tree_keeps_the_branch_a_chain_loses(target, plain, mesh):
     path leaves node order and its cache entries must be compacted. Both equal plain greedy (ragged ends: a stop id
     ends the middle prompt half way)."""
     t = target if mesh is None else target.on_mesh(make_mesh(mesh))
-    full, stop, ref = plain[3]
-    drafter = oracle(t, PROMPTS[3], full)
-    chain = generate(t, drafter, PROMPTS[3], max_new_tokens=NEW, num_steps=3, stop=stop)
-    tree = generate(t, drafter, PROMPTS[3], max_new_tokens=NEW, num_steps=3, topk=2, num_draft_tokens=7, stop=stop)
+    full, stop, ref = plain
+    drafter = oracle(t, PROMPTS, full)
+    chain = generate(t, drafter, PROMPTS, max_new_tokens=NEW, num_steps=3, stop=stop)
+    tree = generate(t, drafter, PROMPTS, max_new_tokens=NEW, num_steps=3, topk=2, num_draft_tokens=7, stop=stop)
     assert chain.tokens == ref and tree.tokens == ref
     c, s = chain.stats, tree.stats
     # Any 3 consecutive drafts meet a decoy: the chain never accepts its third. The tree accepts all three in every
     # cycle but a row's last (whose drafts may run past the table or the stop).
-    assert c["accepted"][-1] == 0 and s["accepted"][-1] >= s["reached"][0] - len(PROMPTS[3]) > 0
+    assert c["accepted"][-1] == 0 and s["accepted"][-1] >= s["reached"][0] - len(PROMPTS) > 0
     assert s["cycles"] < c["cycles"]
 
 
@@ -96,7 +93,7 @@ def test_tree_sampling_is_lossless(peaky):
     """(first, second) generated tokens follow the target's warped distribution. The second comes from the first
     cycle's tree walk; the oracle's tree holds the target's greedy token and a decoy under every node, so the walk
     accepts a child (either of two ranks) or falls back to the target's residual."""
-    target, prompt, n = peaky, [17, 4, 99], 8_000
+    target, prompt, n = peaky, [17, 4, 99], 4_000
     sampling = dict(temperature=1.0, top_p=0.8)
     table = np.zeros((n, 32), np.int32)
     table[:, :7] = prompt + generate(target, None, [prompt], max_new_tokens=4, num_steps=0).tokens[0]

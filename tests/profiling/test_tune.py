@@ -68,6 +68,7 @@ def test_tune_one_device(target, tmp_path, ks):
     assert table.splitlines()[0] == " | ".join(TABLE_COLUMNS) and "recommended k" in table
 
 
+@pytest.mark.slow  # ~40 s of compiles; the one-device sweep above runs the same code in the default suite
 def test_tune_on_8_devices(target):
     mesh_target = target.on_mesh(make_mesh("1x8"))
     ks = (1,)  # compiles dominate this test's time; k = 0 on 1 device is covered above
@@ -105,6 +106,7 @@ def test_phase_set_per_depth(target):
     two = time_phases_of(timer, 2)  # k = 1 is the same set without "draft" (no drafter step: d_1 comes from extend)
     assert set(two) == {"verify", "extend", "draft", "other"} and all(v > 0 for v in two.values())
     assert two["other"] < two["verify"]  # accept/commit bookkeeping is cheap next to a target forward
+    assert timer.tree_verify(4, warmup=0, reps=1) > 0  # a 4-node tree under its ancestor mask
 
 
 def test_tune_without_a_steady_chunk_says_what_to_change(target):

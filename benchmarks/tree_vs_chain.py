@@ -1,0 +1,140 @@
+"""Tree drafts vs chain drafts on the bundled pair (issue 16): tokens/s and accepted length of each configuration,
+measured in one run, and the verify step's cost against the number of draft tokens that explains the result.
+
+    python benchmarks/tree_vs_chain.py                   # 8 held-out prompts, 64 new tokens, greedy, batch 1
+    python benchmarks/tree_vs_chain.py --prompts 16 --repeats 3
+
+Every configuration first runs every prompt once (compiling its buckets); then --repeats timed passes run all
+configurations prompt by prompt, interleaved, so drift in machine speed hits them alike. A configuration's rate is
+its total new tokens / total seconds over the passes. The verify costs come from `PhaseTimer` (the compiled phase
+alone, median of repeated calls): a chain verify of T tokens and a tree verify of T nodes, each over a decode step,
+at the prompts' typical context. Writes benchmarks/results/tree_vs_chain.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+CHAINS = [(2, 1, 3), (3, 1, 4), (4, 1, 5), (5, 1, 6)]  # (num_steps, topk, num_draft_tokens)
+TREES = [(3, 2, 5), (3, 2, 7), (4, 2, 8), (5, 2, 10), (3, 3, 8), (4, 3, 12), (6, 4, 16)]
+VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=8, help="how many held-out prompts (at most 16)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--output", type=Path, default=Path("benchmarks/results/tree_vs_chain.json"))
+    args = p.parse_args()
+
+    import jax
+
+    from jaxspec import bundled, generate
+    from jaxspec.profiling.timing import PhaseTimer
+
+    target, drafter, tokenizer = bundled.load_pair()
+    prompts = bundled.prompts()[: args.prompts]
+    configs = CHAINS + TREES
+
+    def run(prompt: str, cfg: tuple[int, int, int]):
+        steps, topk, draft_tokens = cfg
+        tree = dict(topk=topk, num_draft_tokens=draft_tokens) if topk > 1 else {}
+        return generate(
+            target, drafter, [prompt], max_new_tokens=args.max_new_tokens, num_steps=steps, tokenizer=tokenizer, **tree
+        ).stats
+
+    for prompt in prompts:  # compile every bucket of every configuration
+        for cfg in configs:
+            run(prompt, cfg)
+    runs: dict[tuple, list] = {cfg: [] for cfg in configs}
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            for cfg in configs:
+                runs[cfg].append(run(prompt, cfg))
+    rows = [_row(cfg, runs[cfg]) for cfg in configs]
+
+    context = 2 * max(len(tokenizer.encode(q)) for q in prompts)  # a verify at a typical live context
+    timer = PhaseTimer(target, drafter, batch=1, cache_len=4 * context, context=context)
+    decode = timer.decode(reps=7)
+    verify = {T: {"chain": timer.verify(T, reps=7) / decode, "tree": timer.tree_verify(T, reps=7) / decode}
+              for T in VERIFY_TOKENS}  # fmt: skip
+
+    best_chain = max((r for r in rows if r["topk"] == 1), key=lambda r: r["tok_s"])
+    best_tree = max((r for r in rows if r["topk"] > 1), key=lambda r: r["tok_s"])
+    record = {
+        "command": "python benchmarks/tree_vs_chain.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "output"),
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "batch": 1,
+        "temperature": 0.0,
+        "configs": rows,
+        "best_chain": best_chain,
+        "best_tree": best_tree,
+        "best_tree_over_best_chain": best_tree["tok_s"] / best_chain["tok_s"],
+        "decode_ms": decode * 1e3,
+        "verify_over_decode": verify,
+        "context": context,
+        "platform": jax.devices()[0].platform,
+        "cpu": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    args.output.with_suffix(".md").write_text(_markdown(record))
+    print(_markdown(record))
+
+
+def _row(cfg: tuple[int, int, int], stats: list[dict]) -> dict:
+    steps, topk, draft_tokens = cfg
+    tokens, cycles = sum(s["new_tokens"] for s in stats), sum(s["cycles"] for s in stats)
+    return {
+        "num_steps": steps,
+        "topk": topk,
+        "num_draft_tokens": draft_tokens,
+        "tok_s": tokens / sum(s["seconds"] for s in stats),
+        # tokens committed per cycle (accepted drafts + the bonus); the prefill's first token is not a cycle's
+        "accepted_length": (tokens - len(stats)) / max(cycles, 1),
+        "ms_per_cycle": 1e3 * sum(s["seconds"] for s in stats) / max(cycles, 1),
+    }
+
+
+def _markdown(r: dict) -> str:
+    lines = [
+        "# Tree drafts vs chain drafts on the bundled pair (issue 16)",
+        "",
+        f"`{r['command']}`: greedy, batch 1, {r['prompts']} held-out prompts x {r['max_new_tokens']} new tokens; "
+        f"{r['cpu']} ({r['platform']}), jax {r['jax']}.",
+        "",
+        "| num_steps | topk | draft tokens (verified) | tok/s | accepted length | ms per cycle |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in r["configs"]:
+        lines.append(
+            f"| {c['num_steps']} | {c['topk']} | {c['num_draft_tokens']} | {c['tok_s']:.1f} | "
+            f"{c['accepted_length']:.2f} | {c['ms_per_cycle']:.2f} |"
+        )
+    bc, bt = r["best_chain"], r["best_tree"]
+    lines += [
+        "",
+        f"Best chain: k={bc['num_steps']}, {bc['tok_s']:.1f} tok/s, accepted length {bc['accepted_length']:.2f}. "
+        f"Best tree: steps={bt['num_steps']} topk={bt['topk']} draft tokens={bt['num_draft_tokens']}, "
+        f"{bt['tok_s']:.1f} tok/s, accepted length {bt['accepted_length']:.2f}. "
+        f"Best tree / best chain: **{r['best_tree_over_best_chain']:.2f}x**.",
+        "",
+        f"Verify cost over a decode step ({r['decode_ms']:.2f} ms) at context {r['context']}, by tokens verified:",
+        "",
+        "| tokens | chain verify / decode | tree verify / decode |",
+        "|---|---|---|",
+    ]
+    for T, v in r["verify_over_decode"].items():
+        lines.append(f"| {T} | {v['chain']:.2f} | {v['tree']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
