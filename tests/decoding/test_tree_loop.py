@@ -56,8 +56,9 @@ def test_greedy_tree_all_candidates_equals_plain(target, drafter, plain):
     assert out.tokens == ref and out.stats["num_draft_tokens"] == 1 + 2 + 2 * 4
 
 
-def test_greedy_tree_on_eight_devices_equals_plain(target, plain):
-    sharded = target.on_mesh(make_mesh("1x8"))
+@pytest.mark.parametrize("mesh", ["1x8", pytest.param("2x4", marks=pytest.mark.slow)])  # 2x4: ~40 s, -m slow
+def test_greedy_tree_on_eight_devices_equals_plain(target, plain, mesh):
+    sharded = target.on_mesh(make_mesh(mesh))
     _, stop, ref = plain
     out = generate(sharded, random_drafter(sharded), PROMPTS, max_new_tokens=NEW, num_steps=2, topk=2, stop=stop)
     assert out.tokens == ref
