@@ -124,7 +124,13 @@ class RawSafetensorsDir(SafetensorsDir):
         """The stored dtype as safetensors names it ("BF16", "F8_E4M3", ...)."""
         return self._info(name)["dtype"]
 
-    def get(self, name: str) -> np.ndarray:
+    def location(self, name: str) -> tuple[str, int]:
+        """(file, byte offset) of a tensor's data: reading in this order reads each file front to back."""
+        return str(self.files[name]), self._open_raw(name)[1] + self._info(name)["data_offsets"][0]
+
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor as stored; read into `out` (and returned) if given: a C-contiguous array of its shape and
+        stored dtype, so a caller can reuse its buffers and read straight into place."""
         fd, start, _ = self._open_raw(name)
         info = self._info(name)
         if info["dtype"] not in DTYPES:
@@ -132,7 +138,13 @@ class RawSafetensorsDir(SafetensorsDir):
         dtype, (lo, hi) = np.dtype(DTYPES[info["dtype"]]), info["data_offsets"]
         if hi - lo != math.prod(info["shape"]) * dtype.itemsize:
             raise CheckpointError(f"{self.files[name]}: tensor {name} has bad data offsets [{lo}, {hi}]")
-        out = np.empty(info["shape"], dtype)
+        if out is None:
+            out = np.empty(info["shape"], dtype)
+        elif out.shape != tuple(info["shape"]) or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(
+                f"{name}: out must be a C-contiguous {dtype} array of shape {info['shape']}, got {out.dtype} "
+                f"{list(out.shape)}"
+            )
         view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
         while done < hi - lo:  # a single read returns at most ~2 GiB on Linux
             n = os.preadv(fd, [view[done:]], start + lo + done)
@@ -169,8 +181,12 @@ class Fp8DequantizedDir(RawSafetensorsDir):
     def names(self) -> list[str]:
         return [n for n in self.files if n not in self.scales]
 
-    def get(self, name: str) -> np.ndarray:
-        w = super().get(name)
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor, dequantised if it has a scale (`out`: see `RawSafetensorsDir.get`; a stored-dtype buffer, so
+        not for a dequantised weight)."""
+        if out is not None and name + SCALE_SUFFIX in self.files:
+            raise ValueError(f"{name}: an FP8 weight is dequantised into a new array, not read into `out`")
+        w = super().get(name, out)
         if name + SCALE_SUFFIX not in self.files:
             if w.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
                 raise CheckpointError(f"{name}: a float8 weight without its {name}{SCALE_SUFFIX} tensor")
