@@ -56,7 +56,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised C-contiguous array on its own page-aligned anonymous mapping (what O_DIRECT can write)."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape))
-    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE)  # private: huge pages allowed
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults the first time the buffer is filled
     return np.frombuffer(buf, dtype, count).reshape(shape)

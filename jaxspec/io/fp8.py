@@ -15,8 +15,10 @@ from its config.json; `load_target` and `jaxspec-convert` both use it.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -128,10 +130,9 @@ class RawSafetensorsDir(SafetensorsDir):
         """(file, byte offset) of a tensor's data: reading in this order reads each file front to back."""
         return str(self.files[name]), self._open_raw(name)[1] + self._info(name)["data_offsets"][0]
 
-    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
-        """The tensor as stored; read into `out` (and returned) if given: a C-contiguous array of its shape and
-        stored dtype, so a caller can reuse its buffers and read straight into place."""
-        fd, start, _ = self._open_raw(name)
+    def _span(self, name: str, out: np.ndarray | None) -> tuple[int, int, np.ndarray]:
+        """(file offset, end, destination array) of a tensor, every header field and `out` checked."""
+        _, start, _ = self._open_raw(name)
         info = self._info(name)
         if info["dtype"] not in DTYPES:
             raise CheckpointError(f"{name}: dtype {info['dtype']} is not supported (expected one of {list(DTYPES)})")
@@ -145,13 +146,36 @@ class RawSafetensorsDir(SafetensorsDir):
                 f"{name}: out must be a C-contiguous {dtype} array of shape {info['shape']}, got {out.dtype} "
                 f"{list(out.shape)}"
             )
+        return start + lo, start + hi, out
+
+    def read_many(self, items: list[tuple[str, np.ndarray]]) -> None:
+        """Read each (tensor, out) pair into `out` (as `get` does), file by file in file order, with large O_DIRECT
+        reads through one page-aligned staging buffer where the file system allows it: no page-cache copy, which
+        cost the converter more CPU than any other step. Elsewhere, one positioned read per tensor."""
+        by_file: dict[Path, list[tuple[int, int, np.ndarray, str]]] = {}
+        for name, out in items:
+            by_file.setdefault(self.files[name], []).append((*self._span(name, out), name))
+        for f, spans in by_file.items():
+            spans.sort(key=lambda s: s[0])
+            if not _read_direct(f, spans):
+                for lo, hi, out, name in spans:
+                    self._read(name, lo, hi, out)
+
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor as stored; read into `out` (and returned) if given: a C-contiguous array of its shape and
+        stored dtype, so a caller can reuse its buffers and read straight into place."""
+        lo, hi, out = self._span(name, out)
+        self._read(name, lo, hi, out)
+        return out
+
+    def _read(self, name: str, lo: int, hi: int, out: np.ndarray) -> None:
+        fd = self._open_raw(name)[0]
         view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
         while done < hi - lo:  # a single read returns at most ~2 GiB on Linux
-            n = os.preadv(fd, [view[done:]], start + lo + done)
+            n = os.preadv(fd, [view[done:]], lo + done)
             if n == 0:
                 raise CheckpointError(f"{self.files[name]}: file ends inside tensor {name}")
             done += n
-        return out
 
     def release(self) -> None:
         """Close the files (and safetensors handles) opened so far."""
@@ -201,3 +225,45 @@ class Fp8DequantizedDir(RawSafetensorsDir):
                 f"{list(w.shape)} in {br}x{bc} blocks, got {list(scale.shape)}"
             )
         return weight_dequant(w, scale, self.block, self.out_dtype)
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer, file offset and length aligned to the logical block size (4 KiB covers all)
+STAGING_BYTES = 16 << 20
+
+
+def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]]) -> bool:
+    """Fill each (lo, hi, out, name) span of `path` (sorted by lo) from O_DIRECT reads of aligned 16 MiB windows;
+    False, having read nothing, where the file system refuses O_DIRECT (tmpfs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") else None
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        fd = None
+    if fd is None:
+        return False
+    stage = mmap.mmap(-1, STAGING_BYTES, flags=mmap.MAP_PRIVATE)  # page-aligned
+    stage_u8 = np.frombuffer(stage, np.uint8)
+    try:
+        i, done = 0, 0  # the span being filled, and its bytes filled so far
+        while i < len(spans):
+            lo, hi, out, name = spans[i]
+            pos = (lo + done) // DIRECT_ALIGN * DIRECT_ALIGN
+            n = os.preadv(fd, [stage], pos)
+            end = pos + n
+            if end <= lo + done:
+                raise CheckpointError(f"{path}: file ends inside tensor {name}")
+            while i < len(spans) and spans[i][0] + done < end:  # copy every span this window covers
+                lo, hi, out, name = spans[i]
+                take = min(hi, end) - (lo + done)
+                out_u8 = out.reshape(-1).view(np.uint8)
+                out_u8[done : done + take] = stage_u8[lo + done - pos : lo + done - pos + take]
+                done += take
+                if lo + done < hi:
+                    break  # continues in the next window
+                i, done = i + 1, 0
+    finally:
+        os.close(fd)
+        del stage_u8
+        stage.close()
+    return True

@@ -296,6 +296,14 @@ class Reader:
     ) -> np.ndarray | None:
         """The tensor, or None after recording why not; `kind` is "float" (weights, scales) or "int" (packed).
         With `out` (its shape, in the stored dtype `ckpt.dtype` names), the tensor is read into it."""
+        stored = self.check(name, shape, kind)
+        if stored is None:
+            return None
+        return self.ckpt.get(stored) if out is None else self.ckpt.get(stored, out)
+
+    def check(self, name: str, shape: tuple[int, ...], kind: str = "float") -> str | None:
+        """The stored name of a tensor present with this shape and a dtype of this kind (marked used), or None after
+        recording why not: what `get` checks before reading."""
         if name not in self.names:
             self.problems.append(f"missing tensor {name} (expected shape {list(shape)})")
             return None
@@ -308,7 +316,7 @@ class Reader:
         if stored not in DTYPE_KINDS[kind]:
             self.problems.append(f"{name}: expected a {kind} dtype ({'/'.join(DTYPE_KINDS[kind])}), got {stored}")
             return None
-        return self.ckpt.get(self.names[name]) if out is None else self.ckpt.get(self.names[name], out)
+        return self.names[name]
 
     def rows(self, table: list[Tensor], cast: Callable, prefix: str = "") -> dict[str, Any]:
         """A nested dict of every parameter in `table` (cast), None where its tensor had a problem (recorded)."""
