@@ -20,6 +20,7 @@ import json
 import math
 import mmap
 import os
+import queue
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -100,6 +101,7 @@ class RawSafetensorsDir(SafetensorsDir):
     def __init__(self, path: str | Path):
         super().__init__(path)
         self._files: dict[Path, tuple[int, int, dict[str, Any]]] = {}  # path -> (fd, data start, header)
+        self._staging: list[mmap.mmap] = []  # read_many's page-aligned O_DIRECT windows, one per stream
 
     def _open_raw(self, name: str) -> tuple[int, int, dict[str, Any]]:
         f = self.files[name]
@@ -167,8 +169,21 @@ class RawSafetensorsDir(SafetensorsDir):
                     parts.append((f, run))
                     run, acc = [], 0
             parts += [(f, run)] if run else []
+        if not self._staging:  # kept for the reader's lifetime: fresh pages cost a fault and zeroing on every use
+            self._staging = [mmap.mmap(-1, STAGING_BYTES, flags=mmap.MAP_PRIVATE) for _ in range(READ_STREAMS)]
+        free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        for stage in self._staging:
+            free.put(stage)
+
+        def read(part: tuple[Path, list]) -> bool:
+            stage = free.get()
+            try:
+                return _read_direct(*part, stage)
+            finally:
+                free.put(stage)
+
         with ThreadPoolExecutor(READ_STREAMS, thread_name_prefix="jaxspec-read") as pool:
-            direct = list(pool.map(lambda part: _read_direct(*part), parts))
+            direct = list(pool.map(read, parts))
         for (_, spans), done in zip(parts, direct, strict=True):
             for lo, hi, out, name in [] if done else spans:
                 self._read(name, lo, hi, out)
@@ -244,9 +259,9 @@ STAGING_BYTES = 16 << 20
 READ_STREAMS = 4  # concurrent reads per batch: one synchronous O_DIRECT stream left the disk idle between windows
 
 
-def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]]) -> bool:
-    """Fill each (lo, hi, out, name) span of `path` (sorted by lo) from O_DIRECT reads of aligned 16 MiB windows;
-    False, having read nothing, where the file system refuses O_DIRECT (tmpfs)."""
+def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]], stage: mmap.mmap) -> bool:
+    """Fill each (lo, hi, out, name) span of `path` (sorted by lo) from O_DIRECT reads of aligned windows the size of
+    `stage` (page-aligned); False, having read nothing, where the file system refuses O_DIRECT (tmpfs)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") else None
     except OSError as e:
@@ -255,7 +270,6 @@ def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]]) -> b
         fd = None
     if fd is None:
         return False
-    stage = mmap.mmap(-1, STAGING_BYTES, flags=mmap.MAP_PRIVATE)  # page-aligned
     stage_u8 = np.frombuffer(stage, np.uint8)
     try:
         i, done = 0, 0  # the span being filled, and its bytes filled so far
@@ -277,6 +291,4 @@ def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]]) -> b
                 i, done = i + 1, 0
     finally:
         os.close(fd)
-        del stage_u8
-        stage.close()
     return True
