@@ -8,6 +8,8 @@ For each size, in the same run and on the same disk, with the source's pages evi
 each measurement (posix_fadvise DONTNEED on those files only; everything is os.sync()ed first):
   read     a plain sequential read of the source files (16 MiB reads): the physical limit of any conversion;
   copy     the same files copied into the work directory, then synced: reading plus writing as many bytes;
+  ceiling  every source byte read while as many bytes are written, both O_DIRECT in 4 streams, then synced: the
+           most a conversion (which reads and writes every byte on the same disk) can reach;
   convert  `convert_target` in a fresh process, then synced (with --baseline: also with older code, same files).
 Read and convert alternate for --repeats rounds (medians reported, and each round's convert/read ratio), so a change
 in a shared machine's load hits both. Wall-clock rates follow the load; the CPU seconds per GB each conversion used
@@ -40,8 +42,10 @@ os.sync()
 seconds = time.perf_counter() - start
 use = resource.getrusage(resource.RUSAGE_SELF)
 cpu = use.ru_utime + use.ru_stime - before.ru_utime - before.ru_stime
+# VmHWM is this process's own peak: ru_maxrss also counts the parent's RSS when it forked (Linux keeps it across exec)
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
 print(json.dumps({"seconds": seconds, "bytes_written": result.bytes_written, "cpu_seconds": cpu,
-                  "peak_rss_bytes": use.ru_maxrss * 1024}))
+                  "peak_rss_bytes": int(status["VmHWM"].split()[0]) * 1024, "ru_maxrss_bytes": use.ru_maxrss * 1024}))
 """
 
 
@@ -120,6 +124,43 @@ def copy_files(files: list[Path], dst: Path) -> float:
     return time.perf_counter() - start
 
 
+def read_write_ceiling(files: list[Path], dst: Path, streams: int = 4, window: int = 16 << 20) -> float:
+    """Seconds to read every byte of `files` while writing as many bytes to `dst`, both O_DIRECT, several streams,
+    no work in between, then sync: what any conversion (it reads and writes every byte) can at best reach here."""
+    import mmap
+    import threading
+
+    def read(f: Path, lo: int, hi: int) -> None:
+        buf, fd = mmap.mmap(-1, window, flags=mmap.MAP_PRIVATE), os.open(f, os.O_RDONLY | os.O_DIRECT)
+        pos = lo // 4096 * 4096
+        while pos < hi and (n := os.preadv(fd, [buf], pos)) > 0:
+            pos += n
+        os.close(fd)
+
+    def write(path: Path, nbytes: int) -> None:
+        buf, fd = mmap.mmap(-1, window, flags=mmap.MAP_PRIVATE), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+        for _ in range(-(-nbytes // window)):
+            os.write(fd, buf)
+        os.close(fd)
+
+    dst.mkdir(parents=True)
+    size = sum(f.stat().st_size for f in files)
+    jobs = [(write, (dst / f"w{i}", size // streams)) for i in range(streams)]
+    for f in files:
+        part = -(-f.stat().st_size // streams)
+        jobs += [(read, (f, k * part, min(f.stat().st_size, (k + 1) * part))) for k in range(streams)]
+    threads = [threading.Thread(target=fn, args=a) for fn, a in jobs]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os.sync()
+    seconds = time.perf_counter() - start
+    shutil.rmtree(dst)
+    return seconds
+
+
 def measure(work: Path, layers: int, args: argparse.Namespace) -> dict:
     """Read, copy and convert one synthetic checkpoint; `--repeats` alternating (read, convert[, baseline]) rounds,
     so that a change in the machine's load hits both sides: the medians and the per-round ratios are reported."""
@@ -130,10 +171,12 @@ def measure(work: Path, layers: int, args: argparse.Namespace) -> dict:
     copy_s = copy_files(files, work / f"copy{layers}")
     shutil.rmtree(work / f"copy{layers}")
     load_before = os.getloadavg()
-    reads, runs, bases = [], [], []
+    reads, runs, bases, ceilings = [], [], [], []
     for _ in range(args.repeats):
         evict(files)
         reads.append(sequential_read(files))
+        evict(files)
+        ceilings.append(read_write_ceiling(files, work / f"ceiling{layers}"))
         runs.append(convert(src, dst, files, args.dtype, None))
         if args.baseline:
             bases.append(convert(src, dst, files, args.dtype, args.baseline))
@@ -148,6 +191,8 @@ def measure(work: Path, layers: int, args: argparse.Namespace) -> dict:
         "load_average_1_5_15_after": load_after,
         "read_gb_per_s": size / read_s / 1e9,
         "copy_gb_per_s": size / copy_s / 1e9,
+        "read_write_ceiling_gb_per_s": size / statistics.median(ceilings) / 1e9,
+        "fraction_of_ceiling": statistics.median(ceilings) / convert_s,
         "gb_per_s": size / convert_s / 1e9,
         "fraction_of_read": read_s / convert_s,
         "fraction_of_read_per_round": [r[0] / c["seconds"] for r, c in zip(reads, runs, strict=True)],
@@ -194,13 +239,14 @@ def main() -> None:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     print(
-        f"{'layers':>6} | {'source GB':>9} | {'read GB/s':>9} | {'copy GB/s':>9} | {'convert GB/s':>12} | "
-        f"{'of read':>7} | {'peak RSS GB':>11}"
+        f"{'layers':>6} | {'source GB':>9} | {'read GB/s':>9} | {'copy GB/s':>9} | {'ceiling GB/s':>12} | "
+        f"{'convert GB/s':>12} | {'of read':>7} | {'of ceiling':>10} | {'peak RSS GB':>11}"
     )
     for r in rows:
         print(
             f"{r['layers']:>6} | {r['source_bytes'] / 1e9:9.2f} | {r['read_gb_per_s']:9.3f} | {r['copy_gb_per_s']:9.3f}"
-            f" | {r['gb_per_s']:12.3f} | {r['fraction_of_read']:7.0%} | {r['peak_rss_bytes'] / 1e9:11.2f}"
+            f" | {r['read_write_ceiling_gb_per_s']:12.3f} | {r['gb_per_s']:12.3f} | {r['fraction_of_read']:7.0%}"
+            f" | {r['fraction_of_ceiling']:10.0%} | {r['peak_rss_bytes'] / 1e9:11.2f}"
         )
     for r in rows:
         rounds = ", ".join(f"{f:.0%}" for f in r["fraction_of_read_per_round"])
