@@ -5,6 +5,10 @@ one `CheckpointError`). Then each group (top-level weights, then each decoder la
 index, built with `jaxspec.io.hf`'s name table, saved as its own Orbax checkpoint and released: host memory holds at
 most the layer being read plus the one being written. A rerun skips finalized groups; the completion marker is
 written last.
+
+Speed (benchmarks/results/convert_memory.md has the profile): routed experts are read in file order with O_DIRECT
+straight into [E, out, in] stacks that the next layers reuse, and written by `shard_writer` with O_DIRECT; reading
+group i+1 overlaps Orbax writing group i.
 """
 
 from __future__ import annotations

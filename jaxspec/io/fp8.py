@@ -9,7 +9,8 @@ Reading dequantises one tensor at a time, one block row at a time: the transient
 one block row in float32.
 
 `RawSafetensorsDir` reads each tensor with one positioned read into its array (every dtype, including float8:
-numpy's safetensors backend cannot read F8_E4M3). `open_checkpoint` picks the reader for a checkpoint directory
+numpy's safetensors backend cannot read F8_E4M3), or many at once into caller's arrays with O_DIRECT (`read_many`,
+the converter's path for routed experts). `open_checkpoint` picks the reader for a checkpoint directory
 from its config.json; `load_target` and `jaxspec-convert` both use it.
 """
 
@@ -152,9 +153,10 @@ class RawSafetensorsDir(SafetensorsDir):
         return start + lo, start + hi, out
 
     def read_many(self, items: list[tuple[str, np.ndarray]]) -> None:
-        """Read each (tensor, out) pair into `out` (as `get` does), file by file in file order, with large O_DIRECT
-        reads through one page-aligned staging buffer where the file system allows it: no page-cache copy, which
-        cost the converter more CPU than any other step. Elsewhere, one positioned read per tensor."""
+        """Read each (tensor, out) pair into `out` (as `get` does): each file's tensors in file order, split into
+        READ_STREAMS runs read concurrently with O_DIRECT through page-aligned 16 MiB windows where the file system
+        allows it (no page-cache copy, which cost the converter more CPU than any other step); elsewhere one
+        positioned read per tensor."""
         by_file: dict[Path, list[tuple[int, int, np.ndarray, str]]] = {}
         for name, out in items:
             by_file.setdefault(self.files[name], []).append((*self._span(name, out), name))
