@@ -103,30 +103,38 @@ def write_shard(path: Path, value: np.ndarray) -> None:
     footer = index + struct.pack("<I", crc32c(index))
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd = None
     if np.asarray(value).ctypes.data % ALIGN == 0 and hasattr(os, "O_DIRECT"):
         try:
             fd = os.open(path, flags | os.O_DIRECT)
         except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
             if e.errno != errno.EINVAL:
                 raise
+        else:
+            try:
+                _write_direct(fd, data, footer)
+                return
+            except OSError as e:  # a file system that opens with O_DIRECT but wants other alignment
+                if e.errno != errno.EINVAL:
+                    raise
+            finally:
+                os.close(fd)
+    fd = os.open(path, flags)  # (truncates what a refused O_DIRECT write may have left)
     try:
-        if fd is None:
-            fd = os.open(path, flags)
-            _write_all(fd, data)
-            _write_all(fd, memoryview(footer))
-            return
-        body = data.nbytes // ALIGN * ALIGN
-        _write_all(fd, data[:body])
-        tail = data.nbytes - body + len(footer)
-        last = mmap.mmap(-1, -(-tail // ALIGN) * ALIGN)  # page-aligned and zero-filled
-        last[: data.nbytes - body] = data[body:]
-        last[data.nbytes - body : tail] = footer
-        _write_all(fd, memoryview(last))
-        os.ftruncate(fd, data.nbytes + len(footer))
+        _write_all(fd, data)
+        _write_all(fd, memoryview(footer))
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
+
+
+def _write_direct(fd: int, data: memoryview, footer: bytes) -> None:
+    body = data.nbytes // ALIGN * ALIGN
+    _write_all(fd, data[:body])
+    tail = data.nbytes - body + len(footer)
+    last = mmap.mmap(-1, -(-tail // ALIGN) * ALIGN)  # page-aligned and zero-filled
+    last[: data.nbytes - body] = data[body:]
+    last[data.nbytes - body : tail] = footer
+    _write_all(fd, memoryview(last))
+    os.ftruncate(fd, data.nbytes + len(footer))
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -278,7 +278,12 @@ def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]], stag
         while i < len(spans):
             lo, hi, out, name = spans[i]
             pos = (lo + done) // DIRECT_ALIGN * DIRECT_ALIGN
-            n = os.preadv(fd, [stage], pos)
+            try:
+                n = os.preadv(fd, [stage], pos)
+            except OSError as e:  # opened with O_DIRECT but wants another alignment: nothing copied yet, fall back
+                if e.errno != errno.EINVAL or (i, done) != (0, 0):
+                    raise
+                return False
             end = pos + n
             if end <= lo + done:
                 raise CheckpointError(f"{path}: file ends inside tensor {name}")

@@ -22,6 +22,35 @@ from jaxspec.pytree import flatten
 from tests.reference.hf_tiny import save_hf_model
 
 
+def _refuse_o_direct(monkeypatch, when: str) -> None:
+    """Make O_DIRECT fail as some file systems do: at open (tmpfs), or at the first read/write (alignment)."""
+    real_open, real_close, real_write, real_preadv, direct = os.open, os.close, os.write, os.preadv, set()
+
+    def fake_open(path, flags, *a):
+        if flags & os.O_DIRECT and when == "open":
+            raise OSError(errno.EINVAL, "O_DIRECT refused", str(path))
+        fd = real_open(path, flags, *a)
+        if flags & os.O_DIRECT:
+            direct.add(fd)
+        return fd
+
+    def refuse(real):
+        def call(fd, *a):
+            if fd in direct:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, *a)
+
+        return call
+
+    def fake_close(fd):
+        direct.discard(fd)
+        real_close(fd)
+
+    for name, fn in [("open", fake_open), ("close", fake_close), ("write", refuse(real_write))]:
+        monkeypatch.setattr(os, name, fn)
+    monkeypatch.setattr(os, "preadv", refuse(real_preadv))
+
+
 def _tree():
     """Arrays the direct path takes (page-aligned, sizes on and off a 4 KiB multiple, unaligned) and ones it must
     leave to TensorStore (non-contiguous, scalar)."""
@@ -56,21 +85,14 @@ def _save(ck: ocp.AsyncCheckpointer, path, tree) -> None:
     ck.close()
 
 
-@pytest.mark.parametrize("o_direct", ["used", "refused"])
+@pytest.mark.parametrize("o_direct", ["used", "open", "io"])  # used, or refused at open / at the first write
 def test_shard_writer_writes_the_files_tensorstore_writes(o_direct, tmp_path, monkeypatch):
     calls = []
     write_shard = shard_writer.write_shard
     monkeypatch.setattr(shard_writer, "write_shard", lambda p, v: (calls.append(v.shape), write_shard(p, v)))
-    if o_direct == "refused":  # as tmpfs does: the writer must fall back to a plain write
-        real_open = os.open
-
-        def no_direct(path, flags, *a):
-            if flags & os.O_DIRECT:
-                raise OSError(errno.EINVAL, "O_DIRECT refused", str(path))
-            return real_open(path, flags, *a)
-
-        monkeypatch.setattr(shard_writer.os, "open", no_direct)
     tree = _tree()
+    if o_direct != "used":  # the writer must fall back to a plain write
+        _refuse_o_direct(monkeypatch, o_direct)
     _save(conv._writer(), tmp_path / "direct", tree)
     _save(_plain_writer(), tmp_path / "tensorstore", tree)
     assert sorted(calls) == sorted([(3, 100, 37), (2, 64, 128), (5, 7), (10,)])  # not the transposed one or scalar
@@ -135,7 +157,7 @@ def test_conversion_through_reused_buffers_restores_exactly(dtype, five_layers, 
     _assert_same_params(load_target(out, dtype=jnp.dtype(dtype)), ref)
 
 
-@pytest.mark.parametrize("o_direct", ["used", "refused"])
+@pytest.mark.parametrize("o_direct", ["used", "open", "io"])  # used, or refused at open / at the first read
 def test_read_many_matches_safetensors(o_direct, tmp_path, monkeypatch):
     """Tensors read in one pass (O_DIRECT windows of 16 MiB: one tensor spans several, small ones share one, and
     the order asked for is not the file order) equal what safetensors itself reads."""
@@ -152,15 +174,8 @@ def test_read_many_matches_safetensors(o_direct, tmp_path, monkeypatch):
     }
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text("{}")
-    if o_direct == "refused":
-        real_open = os.open
-
-        def no_direct(path, flags, *a):
-            if flags & os.O_DIRECT:
-                raise OSError(errno.EINVAL, "O_DIRECT refused", str(path))
-            return real_open(path, flags, *a)
-
-        monkeypatch.setattr("jaxspec.io.fp8.os.open", no_direct)
+    if o_direct != "used":
+        _refuse_o_direct(monkeypatch, o_direct)
     ckpt = RawSafetensorsDir(tmp_path)
     outs = {n: shard_writer.aligned_empty(t.shape, t.dtype) for n, t in tensors.items()}
     ckpt.read_many([(n, outs[n]) for n in ("d.weight", "big.weight", "a.weight", "c.weight")])
