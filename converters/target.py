@@ -170,7 +170,7 @@ def _write_groups(
 
     def load(name: str) -> tuple[dict[str, Any], list[np.ndarray]]:
         owned = buffers.taken()
-        tree = flatten_int4(read_group(reader, cfg, name, int4, dtype, buffers))
+        tree = _contiguous(flatten_int4(read_group(reader, cfg, name, int4, dtype, buffers)), buffers)
         buffers.drop()  # what this group did not reuse is not needed any more
         reader.ckpt.release()
         if reader.problems:
@@ -199,6 +199,19 @@ def _write_groups(
         if ck is not None:
             ck.close()
     return [name for name, _ in written]
+
+
+def _contiguous(tree: Any, buffers: _Buffers) -> Any:
+    """`tree` with every non-contiguous array (the [out, in] -> [in, out] views of the name table) copied into a
+    pooled page-aligned one: `shard_writer` then writes it with O_DIRECT, where TensorStore's strided encode took
+    0.3 s for the 17 MB top group (against 0.13 s for a 205 MB layer of contiguous arrays)."""
+    if isinstance(tree, dict):
+        return {k: _contiguous(v, buffers) for k, v in tree.items()}
+    if isinstance(tree, np.ndarray) and tree.size and not tree.flags.c_contiguous:
+        out = buffers.take(tree.shape, tree.dtype)
+        np.copyto(out, tree)
+        return out
+    return tree
 
 
 class _Buffers:
