@@ -39,8 +39,7 @@ def target_for_drafter(path: str | Path, *, dtype=jnp.bfloat16) -> Target:
         top = ocp.StandardCheckpointer().restore(group_dir(path, "top"), wanted)
     else:
         check_names(reader, cfg, int4, path)
-        cast = lambda a: None if a is None else np.asarray(a).astype(np.dtype(jnp.dtype(dtype)))  # noqa: E731
-        host = read_group(reader, cfg, "top", int4, cast)
+        host = read_group(reader, cfg, "top", int4, np.dtype(jnp.dtype(dtype)))
         top = {k: jax.device_put(host[k], wanted[k].sharding) for k in TOP}
     params = nnx.from_flat_state(
         [(p, var.replace(top[p[0]]) if p[0] in TOP else var) for p, var in nnx.to_flat_state(abstract.params)]

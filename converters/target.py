@@ -5,11 +5,16 @@ one `CheckpointError`). Then each group (top-level weights, then each decoder la
 index, built with `jaxspec.io.hf`'s name table, saved as its own Orbax checkpoint and released: host memory holds at
 most the layer being read plus the one being written. A rerun skips finalized groups; the completion marker is
 written last.
+
+Speed (benchmarks/results/convert_memory.md has the profile): routed experts are read in file order with O_DIRECT
+straight into [E, out, in] stacks that the next layers reuse, and written by `shard_writer` with O_DIRECT; reading
+group i+1 overlaps Orbax writing group i.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import re
@@ -26,9 +31,20 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm import tqdm
 
+from converters.shard_writer import DirectNumpyHandler, aligned_empty
 from jaxspec.config import KimiConfig
-from jaxspec.io.fp8 import dequantized_config, fp8_block, open_checkpoint
-from jaxspec.io.hf import CheckpointError, Reader, expected_tensors, is_ignorable, read_layer, top_table
+from jaxspec.io.fp8 import DTYPES, SCALE_SUFFIX, dequantized_config, fp8_block, open_checkpoint
+from jaxspec.io.hf import (
+    EXPERT_PROJS,
+    CheckpointError,
+    Reader,
+    expected_tensors,
+    expert_tensors,
+    is_ignorable,
+    layer_table,
+    read_layer,
+    top_table,
+)
 from jaxspec.io.orbax import (
     FORMAT,
     MARKER,
@@ -42,7 +58,7 @@ from jaxspec.io.orbax import (
     layer_group,
     stack_of,
 )
-from jaxspec.pytree import flatten
+from jaxspec.pytree import flatten, set_path
 from jaxspec.runtime import Target
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
@@ -82,10 +98,18 @@ def convert_target(
     mtp = check_names(reader, cfg, int4, src)
 
     plan = _start(src, dst, dtype, cfg, reader, dequantized)
-    sizes = _group_bytes(cfg, jnp.dtype(dtype), int4)
     todo = [g for g in plan["groups"] if not is_group_complete(dst, g)]
     done = [g for g in plan["groups"] if g not in todo]
-    written = _write_groups(reader, cfg, src, dst, todo, sizes, np.dtype(jnp.dtype(dtype)), progress, on_group_written)
+    sizes: dict[str, int] = {}
+    # Objects that exist now (JAX, Orbax, ...) are left out of garbage collection while converting: a full collection
+    # re-scanned them all, a tenth of the conversion's CPU time in a profile (Orbax allocates per array and group).
+    gc.freeze()
+    try:
+        written = _write_groups(
+            reader, cfg, src, dst, todo, sizes, np.dtype(jnp.dtype(dtype)), progress, on_group_written
+        )
+    finally:
+        gc.unfreeze()
     report = ConvertReport(written, done, reader.skipped, mtp, sum(sizes[g] for g in written))
     if verify:
         report.verified = verify_conversion(src, dst)
@@ -121,50 +145,101 @@ def _write_groups(
     progress: bool,
     on_group_written: Callable[[str], None] | None,
 ) -> list[str]:
-    """Read, save and finalize each group in `todo`, in order; returns the groups written."""
+    """Read, save and finalize each group in `todo`, in order; records each written group's bytes in `sizes` and
+    returns the groups written."""
     int4 = cfg.quant is not None
-    total = sum(sizes[g] for g in todo)
+    # The exact total needs the abstract model (a trace, ~0.3 s): only for the progress bar.
+    total = sum(_group_bytes(cfg, dtype, int4)[g] for g in todo) if progress else None
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress)
-    ck = _writer()
-    written, cast = [], _caster(dtype)
+    buffers = _Buffers()
+    written: list[tuple[str, list[np.ndarray]]] = []
 
-    def saved(name: str | None) -> None:
+    def saved() -> None:
         ck.wait_until_finished()
-        if name is None:
+        if not written:
             return
+        name, owned = written[-1]
         if not ocp.utils.is_checkpoint_finalized(group_dir(dst, name)):
             raise RuntimeError(f"orbax did not finalize {group_dir(dst, name)}")
         done_file(dst, name).touch()
+        buffers.give(owned)  # written and finalized: the next read may overwrite them
+        owned.clear()
         bar.update(sizes[name])
         if on_group_written is not None:
             on_group_written(name)
 
-    def load(name: str) -> dict[str, Any]:
-        tree = flatten_int4(read_group(reader, cfg, name, int4, cast))
+    def load(name: str) -> tuple[dict[str, Any], list[np.ndarray]]:
+        owned = buffers.taken()
+        tree = _contiguous(flatten_int4(read_group(reader, cfg, name, int4, dtype, buffers)), buffers)
+        buffers.drop()  # what this group did not reuse is not needed any more
         reader.ckpt.release()
         if reader.problems:
             raise CheckpointError(f"{src}: problem(s) while reading {name}:\n  " + "\n  ".join(reader.problems))
-        return tree
+        return tree, owned
 
     # One reader thread runs a group ahead: group i+1 is read while Orbax writes group i (its threads), and no more
-    # than those two groups are in host memory.
-    pool = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-convert-read")
+    # than those two groups are in host memory. The buffer hand-over (give, then the next load) never overlaps.
+    pool, ck = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-convert-read"), None
     try:
         ahead = pool.submit(load, todo[0]) if todo else None
+        ck = _writer()  # (starts JAX's backend: ~0.1 s, while the first group is read)
         for i, name in enumerate(todo):
-            tree = ahead.result()
-            saved(written[-1] if written else None)
+            tree, owned = ahead.result()
+            saved()
             ahead = pool.submit(load, todo[i + 1]) if i + 1 < len(todo) else None
             _remove_partial(group_dir(dst, name))
+            sizes[name] = sum(int(np.asarray(v).nbytes) for _, v in flatten(tree))
             ck.save(group_dir(dst, name), args=ocp.args.PyTreeSave(tree))
-            written.append(name)
+            written.append((name, owned))
             del tree
-        saved(written[-1] if written else None)
+        saved()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
-        ck.close()
-    return written
+        if ck is not None:
+            ck.close()
+    return [name for name, _ in written]
+
+
+def _contiguous(tree: Any, buffers: _Buffers) -> Any:
+    """`tree` with every non-contiguous array (the [out, in] -> [in, out] views of the name table) copied into a
+    pooled page-aligned one: `shard_writer` then writes it with O_DIRECT, where TensorStore's strided encode took
+    0.3 s for the 17 MB top group (against 0.13 s for a 205 MB layer of contiguous arrays)."""
+    if isinstance(tree, dict):
+        return {k: _contiguous(v, buffers) for k, v in tree.items()}
+    if isinstance(tree, np.ndarray) and tree.size and not tree.flags.c_contiguous:
+        out = buffers.take(tree.shape, tree.dtype)
+        np.copyto(out, tree)
+        return out
+    return tree
+
+
+class _Buffers:
+    """Expert stacks of groups already written, handed to the next group's read: without it every layer's arrays are
+    fresh pages the kernel faults in and zeroes (about a tenth of a conversion's CPU time). Used by one thread at a
+    time: `load` takes (reader thread), `saved` gives back (main thread) only once that load has finished."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[np.ndarray]] = {}
+        self.owned: list[np.ndarray] = []
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        stack = self.free.get((tuple(shape), np.dtype(dtype)))
+        out = stack.pop() if stack else aligned_empty(shape, dtype)
+        self.owned.append(out)
+        return out
+
+    def taken(self) -> list[np.ndarray]:
+        """A fresh list that collects what the next group's read takes."""
+        self.owned = []
+        return self.owned
+
+    def give(self, arrays: list[np.ndarray]) -> None:
+        for a in arrays:
+            self.free.setdefault((a.shape, a.dtype), []).append(a)
+
+    def drop(self) -> None:
+        self.free.clear()
 
 
 def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, Reader, dict[str, Any] | None]:
@@ -177,7 +252,7 @@ def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, Reader, 
     cfg, ckpt = KimiConfig.from_hf_config(raw), open_checkpoint(src, np.dtype(jnp.dtype(dtype)))
     dequantized = dequantized_config(raw) if fp8_block(raw) is not None else None
     root = src.resolve()
-    outside = sorted({str(f) for f in ckpt.files.values() if not f.resolve().is_relative_to(root)})
+    outside = sorted({str(f) for f in set(ckpt.files.values()) if not f.resolve().is_relative_to(root)})
     if outside:
         raise CheckpointError(f"{src}: the index points outside the checkpoint directory: {outside}")
     for f in sorted(set(ckpt.files.values())):  # every header, before anything is written
@@ -189,12 +264,69 @@ def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, Reader, 
     return cfg, Reader(ckpt), dequantized
 
 
-def read_group(reader: Reader, cfg: KimiConfig, name: str, int4: bool, cast) -> dict[str, Any]:
-    """The parameters of one group as a nested dict of numpy arrays (Int4Array for INT4 experts)."""
+def read_group(
+    reader: Reader, cfg: KimiConfig, name: str, int4: bool, dtype: np.dtype, buffers: _Buffers | None = None
+) -> dict[str, Any]:
+    """The parameters of one group as stored: a nested dict of numpy arrays cast to `dtype` (Int4Array for INT4
+    experts). Float routed experts keep the checkpoint's [E, out, in] layout (see `jaxspec.io.orbax`), read straight
+    into (reused) `buffers`."""
+    dtype, cast = np.dtype(dtype), _caster(dtype)
     if name == "top":
         return reader.rows(top_table(cfg), cast)
     layer = int(name.removeprefix("layer_"))
-    return read_layer(reader, cfg, layer, stack_of(cfg, layer)[0] == "moe_layers", int4, cast)
+    moe = stack_of(cfg, layer)[0] == "moe_layers"
+    if int4 or not moe:
+        return read_layer(reader, cfg, layer, moe, int4, cast)
+    out = reader.rows(layer_table(cfg, True), cast, prefix=f"model.layers.{layer}.")
+    for proj, stack in _read_experts(reader, cfg, layer, dtype, buffers or _Buffers()).items():
+        set_path(out, ("mlp", proj), stack)
+    return out
+
+
+def _read_experts(
+    reader: Reader, cfg: KimiConfig, layer: int, dtype: np.dtype, buffers: _Buffers
+) -> dict[str, np.ndarray | None]:
+    """{projection: every routed expert's weight as [E, out, in] in `dtype`, or None if any had a problem (recorded)}.
+
+    Tensors are read in file order (HF names sort experts 0, 1, 10, 100, ... and interleave the projections; read
+    in expert order, the kernel's readahead saw a scattered pattern and the read ran at a third of the disk's speed).
+    An expert stored in `dtype` is read straight into its slot (one copy, no transpose); others are read, then cast.
+    """
+    E = cfg.n_routed_experts
+    rows = {p: [next(iter(expert_tensors(cfg, layer, p, e, False).items())) for e in range(E)] for p in EXPERT_PROJS}
+    stacks = {p: buffers.take((E, *r[0][1]), dtype) for p, r in rows.items()}
+    complete = dict.fromkeys(EXPERT_PROJS, True)
+    order = sorted(
+        ((p, e) for p in EXPERT_PROJS for e in range(E)), key=lambda pe: _location(reader, rows[pe[0]][pe[1]][0])
+    )
+    bulk, batch = getattr(reader.ckpt, "read_many", None), []
+    for proj, e in order:
+        name, shape = rows[proj][e]
+        stored = reader.names.get(name)
+        kind = None if stored is None or stored + SCALE_SUFFIX in reader.ckpt.files else reader.ckpt.dtype(stored)
+        direct = kind in DTYPES and np.dtype(DTYPES[kind]) == dtype  # else FP8 (dequantised), cast, or missing
+        if direct and bulk is not None:  # checked now, read below in one pass over the files
+            checked = reader.check(name, shape)
+            complete[proj] &= checked is not None
+            batch += [] if checked is None else [(checked, stacks[proj][e])]
+            continue
+        w = reader.get(name, shape, out=stacks[proj][e] if direct else None)
+        if w is None:
+            complete[proj] = False
+        elif not direct:
+            np.copyto(stacks[proj][e], w, casting="unsafe")
+    if batch:
+        bulk(batch)
+    return {p: stacks[p] if complete[p] else None for p in EXPERT_PROJS}
+
+
+def _location(reader: Reader, name: str) -> tuple[str, int]:
+    """(file, byte offset) of a tensor where the reader knows it, for reading in file order; missing ones last."""
+    stored = reader.names.get(name)
+    if stored is None:
+        return ("\uffff", 0)
+    where = getattr(reader.ckpt, "location", None)
+    return where(stored) if where is not None else (str(reader.ckpt.files[stored]), 0)
 
 
 def check_names(reader: Reader, cfg: KimiConfig, int4: bool, src: Path) -> int:
@@ -234,9 +366,8 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
     layers = sorted(list(dict.fromkeys(i for i in (0, n - 1, cfg.first_k_dense_replace, n // 2) if i < n))[:sample])
     groups = ["top"] + [layer_group(i) for i in layers]
     ck, problems = ocp.StandardCheckpointer(), []
-    cast = _caster(np.dtype(jnp.dtype(plan["dtype"])))
     for name in groups:
-        ref = dict(flatten(flatten_int4(read_group(reader, cfg, name, int4, cast))))
+        ref = dict(flatten(flatten_int4(read_group(reader, cfg, name, int4, np.dtype(jnp.dtype(plan["dtype"]))))))
         got = dict(flatten(ck.restore(group_dir(dst, name))))
         for key in sorted(set(ref) | set(got)):
             label = f"{name}/{'.'.join(key)}"
@@ -259,7 +390,7 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _caster(dtype: np.dtype):
+def _caster(dtype: np.dtype) -> Callable[[Any], np.ndarray | None]:
     return lambda a: None if a is None else np.asarray(a).astype(dtype, copy=False)
 
 
@@ -300,13 +431,16 @@ def source_fingerprint(src: Path, weight_files) -> dict[str, list]:
 
 
 def _writer() -> ocp.AsyncCheckpointer:
-    """Orbax's async pytree writer without its two CPU costs that buy nothing here: zstd (weights barely compress)
-    and the defensive copy of every host array (a group's arrays are never touched again once handed over)."""
+    """Orbax's async pytree writer without what costs CPU per byte and buys nothing here: zstd (weights barely
+    compress), the defensive copy of every host array (a group's arrays are not touched until its save has
+    finished), OCDBT (zarr3 arrays in their own files took ~40% less CPU to write), and the page-cache copy of each
+    array's bytes (`shard_writer`)."""
     th = ocp.type_handlers
-    registry = th.create_type_handler_registry(
-        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)), (np.number, th.ScalarHandler())
+    registry = th.create_type_handler_registry((np.ndarray, DirectNumpyHandler()), (np.number, th.ScalarHandler()))
+    handler = ocp.PyTreeCheckpointHandler(
+        use_compression=False, use_zarr3=True, use_ocdbt=False, type_handler_registry=registry
     )
-    return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry))
+    return ocp.AsyncCheckpointer(handler)
 
 
 def _write_or_check_plan(dst: Path, plan: dict) -> None:

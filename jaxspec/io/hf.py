@@ -47,7 +47,7 @@ class SafetensorsDir:
         if index.is_file():
             self.files = {name: self.path / f for name, f in _read_index(index).items()}
             root = self.path.resolve()
-            outside = sorted({str(f) for f in self.files.values() if not f.resolve().is_relative_to(root)})
+            outside = sorted({str(f) for f in set(self.files.values()) if not f.resolve().is_relative_to(root)})
             if outside:
                 raise CheckpointError(f"{index}: weight_map points outside the checkpoint directory: {outside}")
             missing_files = sorted({str(f) for f in self.files.values() if not f.is_file()})
@@ -83,8 +83,17 @@ class SafetensorsDir:
         """The stored dtype as safetensors names it ("BF16", "F32", "I32", ...)."""
         return self._open(name).get_slice(name).get_dtype()
 
-    def get(self, name: str) -> np.ndarray:
-        return self._open(name).get_tensor(name)
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor as stored (copied into `out`, and returned, if given)."""
+        w = self._open(name).get_tensor(name)
+        if out is None:
+            return w
+        if out.shape != w.shape or out.dtype != w.dtype:
+            raise ValueError(
+                f"{name}: out must be a {w.dtype} array of shape {list(w.shape)}, got {out.dtype} {list(out.shape)}"
+            )
+        np.copyto(out, w)
+        return out
 
 
 def _read_index(index: Path) -> dict[str, str]:
@@ -282,8 +291,19 @@ class Reader:
         self.used: set[str] = set()
         self.problems: list[str] = []
 
-    def get(self, name: str, shape: tuple[int, ...], kind: str = "float") -> np.ndarray | None:
-        """The tensor, or None after recording why not; `kind` is "float" (weights, scales) or "int" (packed)."""
+    def get(
+        self, name: str, shape: tuple[int, ...], kind: str = "float", out: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """The tensor, or None after recording why not; `kind` is "float" (weights, scales) or "int" (packed).
+        With `out` (its shape, in the stored dtype `ckpt.dtype` names), the tensor is read into it."""
+        stored = self.check(name, shape, kind)
+        if stored is None:
+            return None
+        return self.ckpt.get(stored) if out is None else self.ckpt.get(stored, out)
+
+    def check(self, name: str, shape: tuple[int, ...], kind: str = "float") -> str | None:
+        """The stored name of a tensor present with this shape and a dtype of this kind (marked used), or None after
+        recording why not: what `get` checks before reading."""
         if name not in self.names:
             self.problems.append(f"missing tensor {name} (expected shape {list(shape)})")
             return None
@@ -296,7 +316,7 @@ class Reader:
         if stored not in DTYPE_KINDS[kind]:
             self.problems.append(f"{name}: expected a {kind} dtype ({'/'.join(DTYPE_KINDS[kind])}), got {stored}")
             return None
-        return self.ckpt.get(self.names[name])
+        return self.names[name]
 
     def rows(self, table: list[Tensor], cast: Callable, prefix: str = "") -> dict[str, Any]:
         """A nested dict of every parameter in `table` (cast), None where its tensor had a problem (recorded)."""

@@ -7,10 +7,13 @@
     OUT/params/<group>.done       written once that group's save has finished (a rerun skips it)
     OUT/jaxspec_checkpoint.json   the completion marker: written LAST, after every group is finalized
 
-Int4Array leaves are stored as their two arrays {"packed": uint8, "scale": bf16}. `restore_params` reads each group with
-`ShapeDtypeStruct`s that carry the per-layer slice of the target sharding (so each process reads only its slices)
-and writes it into the stacked, already-sharded array in place (donated), so device memory peaks at the model plus
-one layer.
+Int4Array leaves are stored as their two arrays {"packed": uint8, "scale": bf16}. Float routed experts (version 2) are
+stored as the HF checkpoint holds them, [E, out, in] per layer, so the converter reads each expert straight into place
+(a host-side transpose to our [E, in, out] cost more CPU per byte than the write); restore swaps the two axes on
+device. Version 1 outputs ([E, in, out]) still load. Groups are zarr3 arrays without OCDBT (less CPU per byte to
+write); Orbax reads either kind. `restore_params` reads each group with `ShapeDtypeStruct`s that carry the per-layer
+slice of the target sharding (so each process reads only its slices) and writes it into the stacked, already-sharded
+array in place (donated), so device memory peaks at the model plus one layer.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from jaxspec.models.quant import Int4Array
 from jaxspec.pytree import get_path, unflatten
 
 FORMAT = "jaxspec-orbax"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+EXPERTS = (("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))  # paths of the routed experts within a MoE layer
 PLAN = "jaxspec_convert.json"
 MARKER = "jaxspec_checkpoint.json"
 STACKS = ("dense_layers", "moe_layers")
@@ -85,10 +90,10 @@ def read_marker(root: str | Path) -> dict[str, Any] | None:
     root = Path(root)
     if (root / MARKER).is_file():
         marker = json.loads((root / MARKER).read_text())
-        if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        if marker.get("format") != FORMAT or marker.get("version") not in READABLE_VERSIONS:
             raise CheckpointError(
                 f"{root / MARKER}: unsupported checkpoint format {marker.get('format')!r} version "
-                f"{marker.get('version')!r} (expected {FORMAT!r} version {VERSION})"
+                f"{marker.get('version')!r} (expected {FORMAT!r} version {' or '.join(map(str, READABLE_VERSIONS))})"
             )
         return marker
     if (root / PLAN).is_file() or (root / "params").is_dir():
@@ -114,6 +119,7 @@ def restore_params(path: str | Path, cfg: KimiConfig, abstract: Any) -> Any:
     """
     path = Path(path)
     check_complete(path, cfg)
+    as_stored = read_marker(path)["version"] >= 2  # float routed experts stored [E, out, in]
     flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(abstract)]
     ck = ocp.StandardCheckpointer()
     top = {p[0]: flatten_int4(v) for p, v in flat if p[0] not in STACKS}
@@ -121,19 +127,26 @@ def restore_params(path: str | Path, cfg: KimiConfig, abstract: Any) -> Any:
     for stack in STACKS:
         leaves = {p[1:]: v for p, v in flat if p[0] == stack}
         if leaves:
-            values.update({(stack, *p): v for p, v in _restore_stack(ck, path, cfg, stack, leaves).items()})
+            routed = as_stored and stack == "moe_layers"  # a dense layer's ("mlp", "gate") is its own MLP
+            swapped = frozenset(p for p in EXPERTS if routed and p in leaves and not isinstance(leaves[p], Int4Array))
+            restored = _restore_stack(ck, path, cfg, stack, leaves, swapped)
+            values.update({(stack, *p): v for p, v in restored.items()})
     return nnx.from_flat_state([(p, var.replace(values[p])) for p, var in nnx.to_flat_state(abstract)])
 
 
-def _restore_stack(ck: ocp.StandardCheckpointer, path: Path, cfg: KimiConfig, stack: str, leaves: dict) -> dict:
-    """{path within the stack: stacked array (Int4Array for INT4 leaves)}, one layer group read at a time."""
+def _restore_stack(
+    ck: ocp.StandardCheckpointer, path: Path, cfg: KimiConfig, stack: str, leaves: dict, swapped: frozenset
+) -> dict:
+    """{path within the stack: stacked array (Int4Array for INT4 leaves)}, one layer group read at a time; the
+    leaves in `swapped` are stored with their last two axes swapped."""
     abstract_stack = {p: flatten_int4(v) for p, v in leaves.items()}
     stacked = _zeros(abstract_stack)  # one program per stack, not per parameter
     per_layer = {p: jax.tree.map(_layer_slice, v) for p, v in abstract_stack.items()}
+    per_layer |= {p: _swap_last(per_layer[p]) for p in swapped}
     for layer in (i for i in range(cfg.num_hidden_layers) if stack_of(cfg, i)[0] == stack):
         restored = ck.restore(group_dir(path, layer_group(layer)), unflatten(per_layer))
         got = {p: get_path(restored, p) for p in leaves}
-        stacked = _put(stacked, got, jnp.int32(stack_of(cfg, layer)[1]))  # in place (donated)
+        stacked = _put(stacked, got, jnp.int32(stack_of(cfg, layer)[1]), swapped)  # in place (donated)
         del restored, got
     out = {}
     for p, v in leaves.items():
@@ -153,8 +166,17 @@ def _layer_slice(sds: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(sds.shape[1:], sds.dtype, sharding=NamedSharding(sds.sharding.mesh, P(*spec[1:])))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _put(stacked: Any, layer: Any, index: jax.Array) -> Any:
-    """Write one layer into every stacked parameter at `index` (leading axis)."""
+def _swap_last(sds: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """The same array with its last two axes (and their sharding) swapped: how a float expert stack is stored."""
+    spec = tuple(sds.sharding.spec) + (None,) * (len(sds.shape) - len(sds.sharding.spec))
+    shape, spec = (*sds.shape[:-2], sds.shape[-1], sds.shape[-2]), (*spec[:-2], spec[-1], spec[-2])
+    return jax.ShapeDtypeStruct(shape, sds.dtype, sharding=NamedSharding(sds.sharding.mesh, P(*spec)))
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _put(stacked: Any, layer: Any, index: jax.Array, swapped: frozenset) -> Any:
+    """Write one layer into every stacked parameter at `index` (leading axis), swapping the last two axes of the
+    leaves in `swapped` first (a local transpose: their shardings were swapped too)."""
     put = lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), index, 0)  # noqa: E731
+    layer = {p: jnp.swapaxes(x, -1, -2) if p in swapped else x for p, x in layer.items()}
     return jax.tree.map(put, stacked, layer)
