@@ -9,9 +9,18 @@ from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
 from jaxspec.serving.engine import Engine, EngineConfig, QueueFull, Request
 from tests.serving.conftest import NUM_STEPS
 
-# 2 slots (segment buckets 1 and 2), prefill chunks of 16 (most prompts take several), short segments.
+# 2 slots, prefill chunks of 16 (most prompts take several), short segments; segments over the first 64 positions
+# while every busy row fits them (short prompts), else all 128 (the 60-token prompt), each as the greedy program
+# (all busy rows greedy) or the per-row one (a sampled request rides along).
 CONFIG = EngineConfig(
-    max_batch=2, max_context=128, num_steps=NUM_STEPS, prefill_chunk=16, segment_cycles=2, max_queue=6
+    max_batch=2,
+    max_context=128,
+    num_steps=NUM_STEPS,
+    prefill_chunk=16,
+    segment_cycles=2,
+    max_queue=6,
+    batch_buckets=(2,),
+    context_buckets=(64,),
 )
 
 
