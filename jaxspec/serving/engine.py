@@ -6,8 +6,9 @@ One engine step (see `Engine.step`):
    stop ids and seed (`_admit`, one small compiled program);
 3. prefill: every slot still prefilling runs ONE chunk of its prompt into its own cache rows
    (`SpecLoop.prefill_slot`); running rows keep their state, so a long prompt never stalls the others for long;
-4. a segment: `segment_cycles` cycles of the compiled loop over all B rows (`SpecLoop.run`; rows that are free,
-   prefilling or finished are done and only ride along);
+4. a segment: `segment_cycles` cycles of the compiled loop (`SpecLoop.run`; rows that are free, prefilling or
+   finished are done and only ride along) over the smallest compiled window of rows and positions covering every
+   busy row, as the static-greedy program while every busy row is greedy, else the per-row one;
 5. collection: new tokens go to their requests; a finished row frees its slot immediately.
 Every program has fixed shapes (B slots, S context positions, C prefill chunk), so nothing recompiles after warm-up.
 Sampling settings, seeds and stop ids are per-row arrays (`LoopConfig.sampling=None`), so greedy and sampled requests
@@ -272,6 +273,8 @@ class Engine:
                 f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(programs)} programs compiled "
                 f"({time.perf_counter() - start:.1f}s)"
             )
+        if cfg.greedy_program and cfg.num_steps:
+            self.state = _fix_greedy_q(self.state)  # harmless on any state: greedy rows keep their point mass
         self.run_until_idle()
         second = Request([1] * 3, 8)
         self.submit(second)
