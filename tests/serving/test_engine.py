@@ -9,9 +9,10 @@ from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
 from jaxspec.serving.engine import Engine, EngineConfig, QueueFull, Request
 from tests.serving.conftest import NUM_STEPS
 
-# 2 slots, prefill chunks of 16 (most prompts take several), short segments; segments over the first 64 positions
-# while every busy row fits them (short prompts), else all 128 (the 60-token prompt). Per-row programs only, so as
-# few programs compile as before (the server tests run the static-greedy program).
+# 2 slots, prefill chunks of 16 (most prompts take several), short segments; segments over the first 32 positions
+# while every busy row fits them (the short prompts and budgets), else all 128 (the test prompts have up to 27
+# tokens, so most requests cross 32). Per-row programs only, so as few programs compile as before (the server tests
+# run the static-greedy program).
 CONFIG = EngineConfig(
     max_batch=2,
     max_context=128,
@@ -20,7 +21,7 @@ CONFIG = EngineConfig(
     segment_cycles=2,
     max_queue=6,
     batch_buckets=(2,),
-    context_buckets=(64,),
+    context_buckets=(32,),
     greedy_program=False,
 )
 
