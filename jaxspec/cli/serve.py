@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help="comma-separated segment batch sizes to compile (default: powers of two up to --max-batch)",
     )
+    p.add_argument(
+        "--context-buckets",
+        default="",
+        help="comma-separated segment context sizes to compile (default: powers of two from 256 up to --max-context)",
+    )
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call (%(default)s)")
     p.add_argument("--segment-cycles", type=int, default=4, help="cycles between admissions (%(default)s)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (%(default)s)")
@@ -127,6 +132,7 @@ def _engine_config(args: argparse.Namespace, num_steps: int):
             segment_cycles=args.segment_cycles,
             max_queue=args.max_queue,
             batch_buckets=tuple(int(b) for b in args.batch_buckets.split(",") if b.strip()),
+            context_buckets=tuple(int(s) for s in args.context_buckets.split(",") if s.strip()),
         )
-    except ValueError as e:  # also a --batch-buckets entry that is not an integer
+    except ValueError as e:  # also a --batch-buckets or --context-buckets entry that is not an integer
         raise SystemExit(f"jaxspec serve: {e}") from None

@@ -6,8 +6,9 @@ One engine step (see `Engine.step`):
    stop ids and seed (`_admit`, one small compiled program);
 3. prefill: every slot still prefilling runs ONE chunk of its prompt into its own cache rows
    (`SpecLoop.prefill_slot`); running rows keep their state, so a long prompt never stalls the others for long;
-4. a segment: `segment_cycles` cycles of the compiled loop over all B rows (`SpecLoop.run`; rows that are free,
-   prefilling or finished are done and only ride along);
+4. a segment: `segment_cycles` cycles of the compiled loop (`SpecLoop.run`; rows that are free, prefilling or
+   finished are done and only ride along) over the smallest compiled window of rows and positions covering every
+   busy row, as the static-greedy program while every busy row is greedy, else the per-row one;
 5. collection: new tokens go to their requests; a finished row frees its slot immediately.
 Every program has fixed shapes (B slots, S context positions, C prefill chunk), so nothing recompiles after warm-up.
 Sampling settings, seeds and stop ids are per-row arrays (`LoopConfig.sampling=None`), so greedy and sampled requests
@@ -56,12 +57,26 @@ class EngineConfig:
     # Compiled segment batches: a segment runs only rows [0, b) for the smallest b covering every generating row
     # (free slots are taken lowest first), so one request does not pay for B rows. () = powers of two up to B.
     batch_buckets: tuple[int, ...] = ()
+    # Compiled segment contexts: a segment runs only positions [0, s) for the smallest s covering what every occupied
+    # row can reach in it, so attention and cache traffic follow the live lengths, not max_context.
+    # () = powers of two from 256 up to max_context (and max_context itself). Each bucket compiles its own segment
+    # programs (batch buckets x context buckets x the greedy and per-row programs), so startup takes longer.
+    context_buckets: tuple[int, ...] = ()
+    # While every occupied row is greedy, segments run the static-greedy program (argmax head, no per-row warping
+    # or sampling); its tokens are the per-row program's for greedy rows. False: always the per-row program.
+    greedy_program: bool = True
 
     @property
     def buckets(self) -> tuple[int, ...]:
         if self.batch_buckets:
             return tuple(sorted(set(self.batch_buckets) | {self.max_batch}))
         return tuple(sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)}))
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        if self.context_buckets:
+            return tuple(sorted(set(self.context_buckets) | {self.max_context}))
+        return tuple(sorted({min(256 << i, self.max_context) for i in range(self.max_context.bit_length())}))
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk", "segment_cycles"):
@@ -75,6 +90,10 @@ class EngineConfig:
         if any(not isinstance(b, int) or not 1 <= b <= self.max_batch for b in self.batch_buckets):
             raise ValueError(
                 f"EngineConfig.batch_buckets: expected sizes in [1, {self.max_batch}], got {self.batch_buckets}"
+            )
+        if any(not isinstance(s, int) or not 1 <= s <= self.max_context for s in self.context_buckets):
+            raise ValueError(
+                f"EngineConfig.context_buckets: expected sizes in [1, {self.max_context}], got {self.context_buckets}"
             )
         if self.max_context % self.prefill_chunk:
             raise ValueError(
@@ -133,6 +152,8 @@ class Engine:
         self.loop = SpecLoop(target, self.drafter)
         chunk = config.prefill_chunk
         self.loop_cfg = LoopConfig(config.num_steps, None, self.stop_ids, chunk, chunk)
+        self.greedy_cfg = dataclasses.replace(self.loop_cfg, sampling=Sampling())
+        self._q_stale = False  # greedy segments left greedy rows' draft_q as the greedy program's placeholder
         self._admit = jax.jit(_admit, donate_argnums=0)
         self._finish = jax.jit(lambda done_B, slot: done_B.at[slot].set(True), donate_argnums=0)
         self.state = self._empty_state()
@@ -220,7 +241,7 @@ class Engine:
         for i in prefilling:
             self._prefill_chunk(i)
         if running:
-            self._segment(max(running) + 1)
+            self._segment(max(running) + 1, self._context_need())
         self._collect()
         return True
 
@@ -243,10 +264,17 @@ class Engine:
         self.submit(first)
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
+        programs = (self.loop_cfg, self.greedy_cfg) if cfg.greedy_program else (self.loop_cfg,)
         for b in cfg.buckets:
-            if b > 1:
-                self._segment(b)  # rows past the first are free: the segment only compiles and returns
-                on_progress(f"  segment over {b} rows compiled ({time.perf_counter() - start:.1f}s)")
+            for s in cfg.contexts:
+                for program in programs:
+                    self._segment(b, s, program)  # the dummy request finishes in its first cycles; then no-ops
+            on_progress(
+                f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(programs)} programs compiled "
+                f"({time.perf_counter() - start:.1f}s)"
+            )
+        if cfg.greedy_program and cfg.num_steps:
+            self.state = _fix_greedy_q(self.state)  # harmless on any state: greedy rows keep their point mass
         self.run_until_idle()
         second = Request([1] * 3, 8)
         self.submit(second)
@@ -326,16 +354,48 @@ class Engine:
             self.slots[slot] = _Slot(request, 0)
         self._gauges()
 
-    def _segment(self, rows: int) -> None:
-        """`segment_cycles` cycles over the rows [0, b) of the smallest bucket b >= rows."""
-        b = next(b for b in self.config.buckets if b >= rows)
-        cycles = jnp.int32(self.config.segment_cycles)
-        cfg = self.loop_cfg
-        if b == self.config.max_batch:
-            self.state = self.loop.run(cfg, *self._params(), self.state, cycles)
+    def _segment(self, rows: int, positions: int, program: LoopConfig | None = None) -> None:
+        """`segment_cycles` cycles over the rows [0, b) and positions [0, s) of the smallest buckets b >= rows and
+        s >= positions, with `program` (default: `_program()`)."""
+        config = self.config
+        b = next(b for b in config.buckets if b >= rows)
+        s = next(s for s in config.contexts if s >= positions)
+        program = program or self._program()
+        if program is self.greedy_cfg:
+            self._q_stale = config.num_steps > 0
+        elif self._q_stale:
+            self.state = _fix_greedy_q(self.state)
+            self._q_stale = False
+        cycles = jnp.int32(config.segment_cycles)
+        if (b, s) == (config.max_batch, config.max_context):
+            self.state = self.loop.run(program, *self._params(), self.state, cycles)
             return
-        part = self.loop.run(cfg, *self._params(), _take_rows(self.state, b), cycles)
+        part = self.loop.run(program, *self._params(), _take_rows(self.state, b, s), cycles)
         self.state = _put_rows(self.state, part)
+
+    def _program(self) -> LoopConfig:
+        """The static-greedy program while every occupied row is greedy (and the config allows it), else per-row."""
+        greedy = all(s is None or s.request.sampling.greedy for s in self.slots)
+        return self.greedy_cfg if greedy and self.config.greedy_program else self.loop_cfg
+
+    def _context_need(self) -> int:
+        """Positions the next segment can touch: every running row's end plus what its cycles can write (capped by
+        its budget), and every prefilling row's prompt plus the lookahead its riding-along cycles write (the
+        drafter's cache writes clamp at the window's end, so they must stay inside it)."""
+        config = self.config
+        J = config.num_steps
+        need = 1
+        for slot in self.slots:
+            if slot is None:
+                continue
+            r = slot.request
+            budget_end = len(r.prompt) + r.max_tokens + J + 2
+            if slot.next_chunk is not None:
+                need = max(need, len(r.prompt) + J + 2)
+            else:  # +1: a row prefilled in this step has its first token, not yet collected
+                end = len(r.prompt) + len(r.tokens) + 1
+                need = max(need, min(end + config.segment_cycles * (J + 1) + 1, budget_end))
+        return need
 
     def _prefill_chunk(self, slot: int) -> None:
         s = self.slots[slot]
@@ -448,6 +508,16 @@ def _admit(state: LoopState, slot, tokens_S, prompt_len, max_new, temperature, t
     )
 
 
+@jax.jit
+def _fix_greedy_q(state: LoopState) -> LoopState:
+    """Before a per-row segment that follows greedy ones: each greedy row's draft distribution as the per-row program
+    would have left it (a point mass on its draft token; the greedy program keeps a placeholder there)."""
+    q_BV = state.draft_q_BV
+    point_BV = jax.nn.one_hot(state.draft_B, q_BV.shape[1], dtype=q_BV.dtype)
+    greedy_B = state.row_sampling.temperature_B == 0
+    return state.replace(draft_q_BV=jnp.where(greedy_B[:, None], point_BV, q_BV))
+
+
 _NOT_PER_ROW = ("cycles", "reached_J", "accepted_J", "accept_hist_T")
 
 
@@ -456,12 +526,18 @@ def _row_axis(name: str) -> int | None:
     return None if name in _NOT_PER_ROW else 1 if name == "target_cache" else 0
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _take_rows(state: LoopState, b: int) -> LoopState:
-    """The state of rows [0, b) (counters included) for a segment over a smaller batch."""
+def _position_axis(name: str) -> int | None:
+    """The position (context) axis of a LoopState field (None: none)."""
+    return {"tokens_BS": 1, "target_cache": 2, "draft_cache": 1}.get(name)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _take_rows(state: LoopState, b: int, s: int) -> LoopState:
+    """The state of rows [0, b) and positions [0, s) (counters included) for a segment over a smaller window."""
 
     def take(name, x):
-        a = _row_axis(name)
+        a, p = _row_axis(name), _position_axis(name)
+        x = x if p is None else jax.lax.slice_in_dim(x, 0, s, axis=p)
         return x if a is None else jax.lax.slice_in_dim(x, 0, b, axis=a)
 
     fields = dataclasses.fields(state)
@@ -472,11 +548,10 @@ def _take_rows(state: LoopState, b: int) -> LoopState:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_rows(state: LoopState, part: LoopState) -> LoopState:
-    """Write a segment's rows [0, b) and counters back into the full state."""
+    """Write a segment's window (rows [0, b), positions [0, s)) and counters back into the full state."""
 
     def put(name, x, y):
-        a = _row_axis(name)
-        return y if a is None else jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=a)
+        return y if _row_axis(name) is None else jax.lax.dynamic_update_slice(x, y, (0,) * x.ndim)
 
     fields = dataclasses.fields(state)
     return state.replace(

@@ -9,9 +9,20 @@ from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
 from jaxspec.serving.engine import Engine, EngineConfig, QueueFull, Request
 from tests.serving.conftest import NUM_STEPS
 
-# 2 slots (segment buckets 1 and 2), prefill chunks of 16 (most prompts take several), short segments.
+# 2 slots, prefill chunks of 16 (most prompts take several), short segments; segments over the first 32 positions
+# while every busy row fits them (the short prompts and budgets), else all 128 (the test prompts have up to 27
+# tokens, so most requests cross 32). Per-row programs only, so as few programs compile as before (the server tests
+# run the static-greedy program).
 CONFIG = EngineConfig(
-    max_batch=2, max_context=128, num_steps=NUM_STEPS, prefill_chunk=16, segment_cycles=2, max_queue=6
+    max_batch=2,
+    max_context=128,
+    num_steps=NUM_STEPS,
+    prefill_chunk=16,
+    segment_cycles=2,
+    max_queue=6,
+    batch_buckets=(2,),
+    context_buckets=(32,),
+    greedy_program=False,
 )
 
 
