@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import KimiConfig
 from jaxspec.decoding import tree as tr
 from jaxspec.decoding.generate import generate
 from jaxspec.decoding.sampling import Sampling
@@ -20,12 +19,10 @@ from jaxspec.models.eagle3 import draft_config_for
 from jaxspec.runtime import Drafter
 from sharding.mesh import make_mesh
 from tests.decoding.drafters import OracleDrafter, random_drafter
-from tests.decoding.test_spec_loop import check_pairs_follow_target
+from tests.decoding.test_spec_loop import NEW, check_pairs_follow_target, stop_mid_batch
+from tests.decoding.test_spec_loop import PROMPTS as CHAIN_PROMPTS
 
-CFG = KimiConfig.preset("tiny")
-RNG = np.random.default_rng(11)
-PROMPTS = [RNG.integers(2, CFG.vocab_size, size=int(s)).tolist() for s in RNG.integers(1, 12, 8)]
-NEW = 14
+PROMPTS = CHAIN_PROMPTS[8]  # the chain tests' batch of 8 and budget: their plain runs are compiled once per session
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +30,7 @@ def plain(target):
     """(the plain greedy continuations, a stop id that ends the middle prompt half way, plain greedy with that stop
     id: ragged ends)."""
     full = generate(target, None, PROMPTS, max_new_tokens=NEW, num_steps=0).tokens
-    stop = [full[len(PROMPTS) // 2][NEW // 2]]
+    stop = stop_mid_batch(full)
     ref = generate(target, None, PROMPTS, max_new_tokens=NEW, num_steps=0, stop=stop).tokens
     assert any(len(t) < NEW for t in ref), "the stop id must end a sequence early"
     return full, stop, ref
@@ -113,7 +110,7 @@ def mla_drafter(target) -> Drafter:
     return Drafter.random(dataclasses.replace(cfg, mla=mla, format="mla"), target, dtype=jnp.float32, seed=2)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mla"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("mla", marks=pytest.mark.slow)])  # mla: ~25 s, -m slow
 def test_tree_step_scores_each_node_as_a_chain_over_its_path(target, drafter, kind):
     """`draft_tree`'s candidate scores (sums of the drafter's log-probs along each path) equal a chain of ordinary
     drafter steps over that path, written into the cache at consecutive positions. Rows have different prefix
@@ -123,7 +120,7 @@ def test_tree_step_scores_each_node_as_a_chain_over_its_path(target, drafter, ki
     rng = np.random.default_rng(0)
     n_B = jnp.asarray([5, 9], jnp.int32)
     width = len(drafter.capture_layers) * target.config.hidden_size
-    prefix = jnp.asarray(rng.integers(2, CFG.vocab_size, (B, 9)), jnp.int32)
+    prefix = jnp.asarray(rng.integers(2, target.vocab_size, (B, 9)), jnp.int32)
     aux = jnp.asarray(rng.normal(size=(B, 9, width)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (B, 9))
     _, _, cache = drafter.apply(drafter.params, prefix, aux, pos, drafter.init_cache(B, S), first_step=True)
