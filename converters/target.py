@@ -134,6 +134,7 @@ def _start(src: Path, dst: Path, dtype: str, cfg: KimiConfig, reader: Reader, de
     return plan
 
 
+# long: one read-ahead pipeline; its two closures share the buffers, the checkpointer and the progress bar
 def _write_groups(
     reader: Reader,
     cfg: KimiConfig,

@@ -196,7 +196,10 @@ class Engine:
             request.arrival = time.perf_counter()
             self._queue.append(request)
             self._lock.notify()
-        self._gauges()
+            if self.metrics is not None:
+                # Only the queue depth: the occupancy gauge is the engine thread's. Setting it from here raced with
+                # an admission and could leave a stale 0 standing while a slot was already held.
+                self.metrics.queue_depth.set(len(self._queue))
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         """Finish `request` now (client gone, or a stop string seen by the caller); its slot is freed next step."""
