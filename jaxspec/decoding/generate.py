@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.decoding import tree
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.spec_loop import LoopConfig, SpecLoop
 from sharding.mesh import DATA
@@ -174,8 +175,8 @@ def generate(
 
     loop = (loops if loops is not None else LoopCache.of(target)).loop(target, drafter)
     traces_before = loop.traces
-    tree = dict(topk=topk, num_draft_tokens=num_draft_tokens if topk > 1 else 0)
-    loop_cfg = LoopConfig(num_steps, sampling, tuple(sorted(stop_ids)), layout.prompt, layout.chunk, **tree)
+    tree_settings = dict(topk=topk, num_draft_tokens=num_draft_tokens if topk > 1 else 0)
+    loop_cfg = LoopConfig(num_steps, sampling, tuple(sorted(stop_ids)), layout.prompt, layout.chunk, **tree_settings)
     state_in = layout.state_in(ids, target, max_new_tokens, seed)
     budget = stream_cycles if on_cycles is not None or on_progress is not None else max_new_tokens + 1
     start = time.perf_counter()
@@ -229,7 +230,7 @@ def check_tree(num_steps: int, topk: Any, num_draft_tokens: Any, drafter) -> int
         raise ValueError(f"topk={topk} drafts a tree: it needs num_steps >= 1 (num_steps=0 is plain decoding)")
     if topk > 1 and drafter is not None and topk > drafter.config.draft_vocab_size:
         raise ValueError(f"topk: expected at most the draft vocabulary ({drafter.config.draft_vocab_size}), got {topk}")
-    candidates = topk + (num_steps - 1) * topk * topk if num_steps else 0
+    candidates = tree.num_candidates(topk, num_steps)
     if num_draft_tokens is None:
         return min(candidates, MAX_DRAFT_TOKENS - 1) + 1 if topk > 1 else num_steps + 1
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):

@@ -53,11 +53,6 @@ class LoopConfig:
     def tree(self) -> bool:
         return self.topk > 1
 
-    @property
-    def verify_tokens(self) -> int:
-        """Tokens (and cache slots past the prefix) one verify step takes."""
-        return self.num_draft_tokens if self.tree else self.num_steps + 1
-
 
 @struct.dataclass
 class LoopState:

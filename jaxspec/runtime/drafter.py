@@ -92,29 +92,14 @@ class Drafter:
         width = len(cfg.capture_layers) * cfg.target_hidden_size if first_step else cfg.hidden_size
         if hidden.shape != (*tokens_BT.shape, width):
             raise ValueError(f"hidden: expected shape {(*tokens_BT.shape, width)}, got {hidden.shape}")
-        batch, split = self.rules.batch, self.split
+        batch = self.rules.batch
         cache_spec = None if cache is None else self.cache_specs()
 
         def local(params, tokens, hidden, pos, cache):
             return nnx.merge(self.graphdef, params)(tokens, hidden, pos, cache, first_step=first_step)
 
-        reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
-        tokens_BT, pos_BT = reshard(tokens_BT, P(batch, None)), reshard(pos_BT, P(batch, None))
-        hidden = reshard(hidden, P(batch, None, None))
-        cache = None if cache is None else tuple(reshard(c, s) for c, s in zip(cache, cache_spec, strict=True))
-        fn = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(
-                Target.param_specs(params, self.param_rules),
-                P(batch, None),
-                P(batch, None, None),
-                P(batch, None),
-                cache_spec,
-            ),
-            out_specs=(P(batch, None, self.rules.vocab if split.vocab else None), P(batch, None, None), cache_spec),
-        )
-        return fn(params, tokens_BT, hidden, pos_BT, cache)
+        specs = (P(batch, None), P(batch, None, None), P(batch, None), cache_spec)
+        return self._sharded_step(local, params, (tokens_BT, hidden, pos_BT, cache), specs, cache_spec)
 
     def apply_tree(
         self,
@@ -135,38 +120,39 @@ class Drafter:
             raise ValueError(
                 f"hidden_BKD: expected {(*tokens_BK.shape, self.config.hidden_size)}, got {hidden_BKD.shape}"
             )
-        batch, split, cache_spec = self.rules.batch, self.split, self.cache_specs()
+        batch, cache_spec = self.rules.batch, self.cache_specs()
 
         def local(params, tokens, hidden, pos, cache, scratch, mask, prefix):
             model = nnx.merge(self.graphdef, params)
             return model.tree_step(tokens, hidden, pos, cache, scratch, write_at, mask, prefix)
 
-        reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
-        args = [
-            reshard(tokens_BK, P(batch, None)),
-            reshard(hidden_BKD, P(batch, None, None)),
-            reshard(pos_BK, P(batch, None)),
-            tuple(reshard(c, s) for c, s in zip(cache, cache_spec, strict=True)),
-            tuple(reshard(c, s) for c, s in zip(scratch, cache_spec, strict=True)),
-            reshard(mask_BKM, P(batch, None, None)),
-            reshard(prefix_len_B, P(batch)),
-        ]
+        args = (tokens_BK, hidden_BKD, pos_BK, cache, scratch, mask_BKM, prefix_len_B)
+        specs = (P(batch, None), P(batch, None, None), P(batch, None), cache_spec, cache_spec, P(batch, None, None))
+        return self._sharded_step(local, params, args, (*specs, P(batch)), cache_spec)
+
+    def _sharded_step(self, local, params, args: tuple, specs: tuple, cache_spec) -> tuple[jax.Array, jax.Array, Any]:
+        """`local(params, *args)` -> (logits, h2, cache) per device under shard_map, each argument resharded to its
+        spec first (a cache tuple to its tuple of specs; None stays None)."""
+
+        def put(x, spec):
+            if x is None:
+                return None
+            if isinstance(x, tuple):
+                return tuple(put(c, sc) for c, sc in zip(x, spec, strict=True))
+            return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+
+        batch = self.rules.batch
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(
-                Target.param_specs(params, self.param_rules),
-                P(batch, None),
+            in_specs=(Target.param_specs(params, self.param_rules), *specs),
+            out_specs=(
+                P(batch, None, self.rules.vocab if self.split.vocab else None),
                 P(batch, None, None),
-                P(batch, None),
                 cache_spec,
-                cache_spec,
-                P(batch, None, None),
-                P(batch),
             ),
-            out_specs=(P(batch, None, self.rules.vocab if split.vocab else None), P(batch, None, None), cache_spec),
         )
-        return fn(params, *args)
+        return fn(params, *(put(x, spec) for x, spec in zip(args, specs, strict=True)))
 
     @classmethod
     def random(
