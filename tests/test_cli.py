@@ -60,6 +60,17 @@ def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path, capsys):
         main([*argv, "--num-steps", "auto", "--tune", str(tmp_path / "missing")])
 
 
+def test_generate_num_steps_auto_takes_a_recommended_tree(tmp_path, capsys):
+    tree = {"num_steps": 2, "topk": 2, "num_draft_tokens": 4, "label": "2x2/4"}
+    (tmp_path / "tune.json").write_text(json.dumps({"recommended": tree, "recommended_k": 1}))
+    argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--max-new-tokens", "4", "--stats"]
+    assert main([*argv, "--num-steps", "auto", "--tune", str(tmp_path)]) == 0
+    assert "num_steps 2, topk 2, 4 draft tokens" in capsys.readouterr().out
+    # An explicit --topk wins over the tuning result's tree (the depth still comes from it).
+    assert main([*argv, "--num-steps", "auto", "--tune", str(tmp_path), "--topk", "3"]) == 0
+    assert "num_steps 2, topk 3, 13 draft tokens" in capsys.readouterr().out
+
+
 def test_train_drafter_is_a_subcommand_and_checks_its_input(tmp_path):
     with pytest.raises(SystemExit, match="--target: .* is not a directory"):
         main(["train-drafter", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])

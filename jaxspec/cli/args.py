@@ -114,8 +114,24 @@ def check_target_args(args: argparse.Namespace, fail: Callable[[str], NoReturn])
 
 
 def recommended_k(path: Path) -> int:
-    """The recommended draft depth in a tune.json written by `jaxspec tune`."""
-    return int(json.loads(path.read_text())["recommended_k"])
+    """The recommended chain depth in a tune.json written by `jaxspec tune`."""
+    report = json.loads(path.read_text())
+    if "recommended_k" not in report:
+        raise SystemExit(
+            f"jaxspec: --num-steps auto: {path} recommends no chain depth (only trees were swept); rerun "
+            "'jaxspec tune' with chains (the default --max-k)"
+        )
+    return int(report["recommended_k"])
+
+
+def recommended_config(path: Path) -> dict[str, int]:
+    """The recommended draft configuration (a chain or a tree) in a tune.json: num_steps, topk, num_draft_tokens.
+    A tune.json from before tree sweeps holds a chain depth only."""
+    report = json.loads(path.read_text())
+    if "recommended" in report:
+        return {key: int(report["recommended"][key]) for key in ("num_steps", "topk", "num_draft_tokens")}
+    k = recommended_k(path)
+    return {"num_steps": k, "topk": 1, "num_draft_tokens": k + 1}
 
 
 # ----------------------------------------------------------------------------------------------- target, drafter

@@ -15,7 +15,7 @@ from jaxspec.cli.args import (
     build_target,
     check_target_args,
     int_list,
-    recommended_k,
+    recommended_config,
     use_bundled_pair,
 )
 
@@ -41,7 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ids", action="store_true", help="prompts are comma-separated token ids, not text")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    add_num_steps_args(p, default="3", auto_help="the recommended_k of --tune DIR/tune.json")
+    add_num_steps_args(
+        p,
+        default="3",
+        auto_help="the configuration --tune DIR/tune.json recommends (a tree sets --topk and --num-draft-tokens too, "
+        "unless given)",
+    )
     p.add_argument(
         "--topk",
         type=int,
@@ -123,7 +128,8 @@ def _check_inputs(args: argparse.Namespace, fail) -> None:
 
 
 def num_steps(args: argparse.Namespace) -> int:
-    """--num-steps as an integer ('auto': the recommended_k of --tune DIR/tune.json)."""
+    """--num-steps as an integer ('auto': the recommended configuration of --tune DIR/tune.json; when it is a tree
+    and neither --topk nor --num-draft-tokens was given, they are set to the tree's)."""
     if args.num_steps != "auto":
         try:
             return int(args.num_steps)
@@ -133,7 +139,10 @@ def num_steps(args: argparse.Namespace) -> int:
             ) from None
     if args.tune is None or not (args.tune / "tune.json").is_file():
         raise UsageError("generate", "--num-steps auto needs --tune DIR with the tune.json of 'jaxspec tune'")
-    return recommended_k(args.tune / "tune.json")
+    config = recommended_config(args.tune / "tune.json")
+    if config["topk"] > 1 and args.topk == 1 and args.num_draft_tokens is None:
+        args.topk, args.num_draft_tokens = config["topk"], config["num_draft_tokens"]
+    return config["num_steps"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxspec.cli.args import add_drafter_arg, add_target_args, build_target, use_bundled_pair
+from jaxspec.profiling.cost_model import DEFAULT_TREES
 
-HELP = "sweep the draft depth k, time every phase, fit the cost model and recommend k"
+HELP = "sweep the draft depth k (and tree shapes), time every phase, fit the cost model and recommend one"
 DESCRIPTION = (
-    "Run the real loop for k = 0..K on a prompt set, time each phase alone, predict tokens/s with "
-    "the step-count cost model, and write DIR/tune.json and DIR/tune.png."
+    "Run the real loop for k = 0..K (and with --trees, tree drafts) on a prompt set, time each phase alone, predict "
+    "tokens/s with the step-count cost model, and write DIR/tune.json and DIR/tune.png."
 )
 
 
@@ -23,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_args(p, devices=False)
     add_drafter_arg(p, "EAGLE-3 drafter directory (default with --preset: random drafter)")
     p.add_argument("--max-k", type=int, default=4, help="sweep k = 0..MAX_K draft tokens (default: %(default)s)")
+    p.add_argument(
+        "--trees",
+        metavar="SHAPES",
+        help="also sweep tree drafts: comma-separated STEPS:TOPK:TOKENS (num_steps, topk, num_draft_tokens with the "
+        "root), or 'default' for " + ", ".join(f"{t.num_steps}:{t.topk}:{t.num_draft_tokens}" for t in DEFAULT_TREES),
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt and k (%(default)s)")
     p.add_argument(
         "--rounds", type=int, default=3, help="sweeps over all k, alternating order, pooled (default: %(default)s)"
@@ -68,7 +75,7 @@ def _child_argv(args: argparse.Namespace, preset: str, output: Path) -> list[str
     if getattr(args, "cpu_devices", 0):
         argv += ["--cpu-devices", str(args.cpu_devices)]
     argv.append("tune")
-    for flag in ("model", "preset", "mesh", "dtype", "drafter", "prompts_file"):
+    for flag in ("model", "preset", "mesh", "dtype", "drafter", "prompts_file", "trees"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("max_k", "max_new_tokens", "rounds", "stream_cycles"):
@@ -117,6 +124,7 @@ def _run_preset(args: argparse.Namespace, name: str) -> dict:
         "preset_platform": record.get("platform"),
         "platform": report["platform"],
         "recommended_k": k,
+        "recommended": report["recommended"],
         "measured_tok_s": rows[k]["measured_tok_s"],
         "predicted_tok_s": rows[k]["predicted_tok_s"],
         "plain_tok_s": rows[0]["measured_tok_s"] if 0 in rows else None,
@@ -158,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         drafter,
         prompts,
         range(0, args.max_k + 1),
+        trees=args.tree_shapes,
         max_new_tokens=args.max_new_tokens,
         repeats=args.rounds,
         stream_cycles=args.stream_cycles,
@@ -170,8 +179,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    """The numeric flags and --trees (parsed into `args.tree_shapes`), or SystemExit naming the flag."""
+    from jaxspec.decoding.generate import check_tree
+    from jaxspec.profiling.tune import parse_trees
+
     if args.max_k < 0:
         raise SystemExit(f"jaxspec tune: --max-k must be >= 0, got {args.max_k}")
+    try:
+        args.tree_shapes = parse_trees(args.trees) if args.trees else []
+        for t in args.tree_shapes:
+            check_tree(t.num_steps, t.topk, t.num_draft_tokens, None)
+    except ValueError as e:
+        raise SystemExit(f"jaxspec tune: --trees: {e}") from None
     for name in ("rounds", "stream_cycles", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"jaxspec tune: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

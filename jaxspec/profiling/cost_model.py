@@ -9,6 +9,17 @@ Pure numpy. With a_j the conditional acceptance of draft position j (given posit
 In jaxspec's loop the first draft token of a cycle comes out of the previous cycle's draft-extend pass, so a cycle
 runs k-1 drafter steps (`steps(k) = max(k-1, 0)`), not k as in the spec's formula, and k = 0 (plain decoding) runs
 neither draft steps nor draft-extend and verifies one token without capturing target states (= a decode step).
+
+Trees (`TreeShape`: num_steps S, topk K, num_draft_tokens T, the root included) have their own terms:
+
+    T(tree) = t_tree_draft(S, K) + t_tree_verify(T) + t_extend(S + 1) + t_tree_other(S, K, T)
+    E(tree) = 1 + sum_{d<=S} prod_{i<=d} a_i(tree)      a_d(tree): P(the accepted path reaches depth d | depth d-1)
+
+The tree draft is timed whole (the root's top-K, then S - 1 drafter steps over the K frontier nodes, each expanding
+it); verify is a function of the node count T (affine between measured counts, like a chain's); draft-extend runs
+over the S + 1 slots of the longest path (the chain's extend of S + 1 tokens); t_tree_other is the tree's
+bookkeeping (keep the T best nodes, accept a path, commit, compact the target cache, count). A tree's per-depth rates
+are its own: they depend on K and T, so unlike a chain's they are not pooled across configurations.
 """
 
 from __future__ import annotations
@@ -69,6 +80,44 @@ def acceptance_from_throughput(tok_s: Sequence[float], cycle_s: Sequence[float])
 PhaseTime = Mapping[int, float] | Callable[[int], float]
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class TreeShape:
+    """A tree draft's static shape: `num_steps` drafter levels, `topk` children per frontier node, `num_draft_tokens`
+    nodes verified (the root included)."""
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+    def __post_init__(self):
+        if self.num_steps < 1 or self.topk < 2 or self.num_draft_tokens < 2:
+            raise ValueError(
+                f"TreeShape: expected num_steps >= 1, topk >= 2 and num_draft_tokens >= 2 (topk = 1 is a chain: give "
+                f"its depth k), got {self.num_steps}, {self.topk}, {self.num_draft_tokens}"
+            )
+
+    @property
+    def label(self) -> str:
+        """`steps x topk / tokens`, e.g. 4x2/8."""
+        return f"{self.num_steps}x{self.topk}/{self.num_draft_tokens}"
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """`STEPS:TOPK:TOKENS` (or the label form `STEPSxTOPK/TOKENS`)."""
+        parts = text.strip().replace("x", ":").replace("/", ":").split(":")
+        try:
+            steps, topk, tokens = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"tree shape {text!r}: expected STEPS:TOPK:TOKENS, e.g. 4:2:8") from None
+        return cls(steps, topk, tokens)
+
+
+Config = int | TreeShape  # a chain's depth k (0 = plain decoding), or a tree
+# `jaxspec tune --trees default`: the shapes that did best per verified token on the bundled pair at batch 1
+# (benchmarks/results/tree_vs_chain.md).
+DEFAULT_TREES = (TreeShape(3, 2, 5), TreeShape(3, 2, 7), TreeShape(4, 2, 8), TreeShape(3, 3, 8))
+
+
 def _lookup(table: float | PhaseTime, n: int, name: str) -> float:
     if isinstance(table, int | float):  # the same at every token count
         return float(table)
@@ -84,14 +133,32 @@ def _lookup(table: float | PhaseTime, n: int, name: str) -> float:
     return float(intercept + slope * n)
 
 
+def _lookup_steps(table: Mapping[tuple[int, int], float], shape: TreeShape) -> float:
+    """A tree draft's seconds: measured at (num_steps, topk), or affine in num_steps over the measured ones of that
+    topk (each step costs the same: one drafter pass over the topk frontier nodes)."""
+    key = (shape.num_steps, shape.topk)
+    if key in table:
+        return float(table[key])
+    same_k = {s: t for (s, k), t in table.items() if k == shape.topk}
+    if len(same_k) < 2:
+        raise ValueError(
+            f"t_tree_draft: no time for {key} (have {sorted(table)}); give two step counts of topk {key[1]}"
+        )
+    return _lookup(same_k, shape.num_steps, "t_tree_draft")
+
+
 @dataclasses.dataclass
 class CostModel:
-    """Measured phase times (seconds) and per-position acceptance; predicts throughput per draft depth.
+    """Measured phase times (seconds) and per-position acceptance; predicts throughput per draft configuration
+    (a chain depth k, or a `TreeShape`).
 
     `t_verify` / `t_extend`: seconds as a function of the token count (a dict {tokens: s}, affine extrapolation
     outside it, or a callable). `t_decode`: one plain decode step (also k = 0's verify). `t_other`: per-cycle cost
     outside the model calls (accept, commit, counters): seconds, or like `t_verify` a function of k+1 tokens.
     `batch`: sequences per cycle the times were measured at.
+
+    Trees (the module docstring): `t_tree_draft` {(num_steps, topk): s}, `t_tree_verify` like `t_verify` but of the
+    node count under the tree mask, `t_tree_other` {TreeShape: s}, `tree_acceptance` {TreeShape: per-depth rates}.
     """
 
     t_draft: float
@@ -101,16 +168,39 @@ class CostModel:
     acceptance: Sequence[float] = ()
     t_other: float | PhaseTime = 0.0
     batch: int = 1
+    t_tree_draft: Mapping[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    t_tree_verify: PhaseTime = dataclasses.field(default_factory=dict)
+    t_tree_other: Mapping[TreeShape, float] = dataclasses.field(default_factory=dict)
+    tree_acceptance: Mapping[TreeShape, Sequence[float]] = dataclasses.field(default_factory=dict)
 
-    def draft_steps(self, k: int) -> int:
-        """Drafter steps per cycle: the first draft token comes out of the previous draft-extend."""
+    def draft_steps(self, k: Config) -> int:
+        """Drafter steps per cycle: the first draft token (a tree's first level) comes out of the previous
+        draft-extend."""
+        if isinstance(k, TreeShape):
+            return k.num_steps - 1
         return max(k - 1, 0)
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: Config) -> float:
+        if isinstance(k, TreeShape):
+            if k not in self.tree_acceptance:
+                raise ValueError(
+                    f"tree {k.label}: no acceptance measured (have {[t.label for t in self.tree_acceptance]})"
+                )
+            return expected_tokens(self.tree_acceptance[k], k.num_steps)
         return expected_tokens(self.acceptance, k)
 
-    def terms(self, k: int) -> dict[str, float]:
-        """The cycle-time terms of depth k, in seconds."""
+    def terms(self, k: Config) -> dict[str, float]:
+        """The cycle-time terms of a chain of depth k or a tree, in seconds."""
+        if isinstance(k, TreeShape):
+            draft = _lookup_steps(self.t_tree_draft, k)
+            if k not in self.t_tree_other:
+                raise ValueError(f"t_tree_other: no time for tree {k.label}")
+            return {
+                "draft": draft,
+                "verify": _lookup(self.t_tree_verify, k.num_draft_tokens, "t_tree_verify"),
+                "extend": _lookup(self.t_extend, k.num_steps + 1, "t_extend"),
+                "other": float(self.t_tree_other[k]),
+            }
         if k < 0:
             raise ValueError(f"k: expected >= 0 draft tokens, got {k}")
         return {
@@ -120,11 +210,11 @@ class CostModel:
             "other": _lookup(self.t_other, k + 1, "t_other"),
         }
 
-    def cycle_time(self, k: int) -> float:
+    def cycle_time(self, k: Config) -> float:
         """T(k) in seconds."""
         return sum(self.terms(k).values())
 
-    def predict(self, k: int) -> float:
+    def predict(self, k: Config) -> float:
         """R(k): tokens per second (all `batch` sequences together)."""
         return self.batch * self.expected_tokens(k) / self.cycle_time(k)
 
@@ -132,16 +222,23 @@ class CostModel:
         """R0 = batch / t_decode."""
         return self.batch / self.t_decode
 
-    def speedup(self, k: int) -> float:
+    def speedup(self, k: Config) -> float:
         return self.predict(k) / self.baseline()
 
     def best_k(self, ks: Iterable[int]) -> int:
-        """k* = argmax R(k) over `ks` (the smallest k on ties)."""
+        """k* = argmax R(k) over the chain depths `ks` (the smallest k on ties)."""
         ks = list(ks)
         if not ks:
             raise ValueError("best_k: no depths given")
-        rates = [self.predict(k) for k in ks]
-        return ks[int(np.argmax(rates))]
+        return self.best(ks)
+
+    def best(self, configs: Iterable[Config]) -> Config:
+        """The configuration (chain depth or tree) of highest predicted throughput; the first given on ties."""
+        configs = list(configs)
+        if not configs:
+            raise ValueError("best: no configurations given")
+        rates = [self.predict(c) for c in configs]
+        return configs[int(np.argmax(rates))]
 
 
 def relative_gap(predicted: float, measured: float) -> float:

@@ -4,12 +4,15 @@ Each phase runs `inner` times inside one compiled `fori_loop` whose carry feeds 
 loop-invariant and per-call dispatch is amortised), with warm-up calls first and the median over `reps` calls.
 The phases are the functions `jaxspec.decoding.spec_loop` composes per cycle: a drafter step, verify of T = k+1 tokens
 (capturing the drafter's target layers), draft-extend over T tokens, the accept/commit/counter bookkeeping, and a plain
-decode step (k = 0's verify). Each phase compiles once per `PhaseTimer` and keeps its state, so it can be re-timed
-cheaply many times (the tuner times the phases after every few cycles of the real loop).
+decode step (k = 0's verify); for tree drafts, the whole tree draft, verify of the tree's nodes under its mask, and
+the tree's bookkeeping (node selection, path acceptance, commit, cache compaction, counters). Each phase compiles once
+per `PhaseTimer` and keeps its state, so it can be re-timed cheaply many times (the tuner times the phases after
+every few cycles of the real loop).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,14 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxspec.decoding import tree
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.spec_loop import (
     LoopConfig,
     LoopState,
     accept_commit,
+    commit,
     count_acceptance,
     draft_extend,
     draft_step,
+    draft_tree,
     target_forward,
 )
 from jaxspec.runtime import Drafter, Target
@@ -161,6 +167,62 @@ class PhaseTimer:
 
         return self._time(("tree_verify", tokens), build, warmup=warmup, reps=reps)
 
+    def _tree_draft_inputs(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(root logits [B, U], drafter h2 [B, D], prefix lengths [B]) of a tree draft at the timer's context."""
+        cfg = self.drafter.config
+        rng = np.random.default_rng(3)
+        root = self._put(rng.standard_normal((self.batch, cfg.draft_vocab_size)).astype(np.float32))
+        hidden = self._put(jnp.zeros((self.batch, cfg.hidden_size), self.drafter.dtype) + 0.01)
+        return root, hidden, self._put(np.full((self.batch,), self.context, np.int32))
+
+    def tree_draft(self, num_steps: int, topk: int, *, warmup: int = 1, reps: int = 5) -> float:
+        """A whole tree draft (`spec_loop.draft_tree`): the root's top-`topk` children, then `num_steps` - 1 drafter
+        steps over the `topk` frontier nodes, each expanding it."""
+        drafter = self.drafter
+
+        def body(params, hidden_BD, n_B, cache, root_BU):
+            draft = draft_tree(drafter, params, root_BU, hidden_BD, n_B, cache, num_steps, topk)
+            return (root_BU + jnp.sum(draft.scores) * 0,)
+
+        def build():
+            root, hidden, n_B = self._tree_draft_inputs()
+            cache = drafter.init_cache(self.batch, self.cache_len)
+            return body, (drafter.params, hidden, n_B, cache), (root,)
+
+        return self._time(("tree_draft", num_steps, topk), build, warmup=warmup, reps=reps)
+
+    def tree_bookkeeping(self, num_steps: int, topk: int, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
+        """A greedy tree cycle's work outside the model calls: keep the `tokens` - 1 best candidates (`tree.finish`),
+        accept the longest matching path, commit it, compact it in the target cache and count (t_tree_other)."""
+        target, drafter, B, S = self.target, self.drafter, self.batch, self.cache_len
+        if self.context + num_steps + 2 > S:
+            raise ValueError(f"tree_bookkeeping: context {self.context} + {num_steps + 2} does not fit a buffer of {S}")
+        cfg = LoopConfig(num_steps, self.greedy, tuple(target.config.stop_token_ids), self.context, self.context)
+        cfg = dataclasses.replace(cfg, topk=topk, num_draft_tokens=tokens)
+
+        def body(draft, out_BT, s):
+            n_B = s.length_B
+            pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
+            nodes = tree.finish(draft, pending_B, n_B, tokens)
+            path, accepted_B, next_B = tree.greedy_accept_tree(nodes, out_BT)
+            path_BJ = jnp.take_along_axis(nodes.tokens_BT, path[:, 1:], axis=1)
+            _, active_B, c = commit(cfg, s, path_BJ, accepted_B, next_B)
+            tcache = target.compact_cache(s.target_cache, n_B, path, jnp.where(active_B, accepted_B, 0))
+            counts = count_acceptance(num_steps, s, accepted_B, active_B)
+            # Stay at the timer's context however long it runs (the lengths are fed back).
+            return (c.replace(target_cache=tcache, end_B=s.end_B, length_B=s.length_B, **counts),)
+
+        def build():
+            root, hidden, n_B = self._tree_draft_inputs()
+            cache = drafter.init_cache(B, S)
+            draft = jax.jit(draft_tree, static_argnums=(0, 6, 7))(
+                drafter, drafter.params, root, hidden, n_B, cache, num_steps, topk
+            )
+            state = self._loop_state(num_steps, self.context, target.init_cache(B, S))
+            return body, (draft, self._ids(tokens)), (state,)
+
+        return self._time(("tree_bookkeeping", num_steps, topk, tokens), build, warmup=warmup, reps=reps)
+
     def draft_step(self, *, warmup: int = 1, reps: int = 5) -> float:
         """One drafter step (1 token from the previous h2) and its greedy draft token choice."""
         drafter = self.drafter
@@ -213,26 +275,30 @@ class PhaseTimer:
             return (c.replace(end_B=wrap(c.end_B), length_B=wrap(c.length_B), **counts),)
 
         def build():
-            length = min(self.context, S - tokens - 2)
-            zeros = lambda: self._put(np.zeros((B,), np.int32))  # noqa: E731  (a new buffer each: they are donated)
-            state = LoopState(
-                tokens_BS=self._put(np.random.default_rng(2).integers(0, self.target.vocab_size, (B, S), np.int32)),
-                prompt_len_B=zeros() + 1,
-                length_B=zeros() + length,
-                end_B=zeros() + length + 1,
-                max_new_B=zeros() + S,
-                done_B=self._put(np.zeros((B,), bool)),
-                target_cache=zeros(),
-                draft_cache=None,
-                draft_B=zeros(),
-                draft_q_BV=self._put(np.zeros((B, 1), np.float32)),
-                hidden_BD=self._put(np.zeros((B, 1), np.float32)),
-                key=self._put(jax.random.key(1)),
-                cycles=self._put(np.zeros((), np.int32)),
-                reached_J=self._put(np.zeros((J,), np.int32)),
-                accepted_J=self._put(np.zeros((J,), np.int32)),
-                accept_hist_T=self._put(np.zeros((J + 1,), np.int32)),
-            )
+            state = self._loop_state(J, min(self.context, S - tokens - 2), self._put(np.zeros((B,), np.int32)))
             return body, (self._ids(J), self._ids(J + 1)), (state,)
 
         return self._time(("bookkeeping", tokens), build, warmup=warmup, reps=reps)
+
+    def _loop_state(self, J: int, length: int, target_cache) -> LoopState:
+        """A loop state of the timer's batch at `length` processed positions, for the bookkeeping phases."""
+        B, S = self.batch, self.cache_len
+        zeros = lambda: self._put(np.zeros((B,), np.int32))  # noqa: E731  (a new buffer each: they are donated)
+        return LoopState(
+            tokens_BS=self._put(np.random.default_rng(2).integers(0, self.target.vocab_size, (B, S), np.int32)),
+            prompt_len_B=zeros() + 1,
+            length_B=zeros() + length,
+            end_B=zeros() + length + 1,
+            max_new_B=zeros() + S,
+            done_B=self._put(np.zeros((B,), bool)),
+            target_cache=target_cache,
+            draft_cache=None,
+            draft_B=zeros(),
+            draft_q_BV=self._put(np.zeros((B, 1), np.float32)),
+            hidden_BD=self._put(np.zeros((B, 1), np.float32)),
+            key=self._put(jax.random.key(1)),
+            cycles=self._put(np.zeros((), np.int32)),
+            reached_J=self._put(np.zeros((J,), np.int32)),
+            accepted_J=self._put(np.zeros((J,), np.int32)),
+            accept_hist_T=self._put(np.zeros((J + 1,), np.int32)),
+        )

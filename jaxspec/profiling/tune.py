@@ -1,5 +1,6 @@
-"""`jaxspec tune`: sweep the draft depth k, run the real loop for each, time every phase alone, fit the cost model
-and recommend k* = argmax of the predicted throughput.
+"""`jaxspec tune`: sweep draft configurations (chain depths k, and with `trees` tree shapes (num_steps, topk,
+num_draft_tokens)), run the real loop for each, time every phase alone, fit the cost model and recommend the
+configuration of highest predicted throughput (`recommended`; `recommended_k` is the best chain).
 
 Measurement design (timings on shared machines drift by 10-20% over seconds, far more than the model's terms):
 - Each k runs `jaxspec.generate` with a progress hook every `stream_cycles` cycles. Right after each chunk of cycles,
@@ -12,6 +13,10 @@ Measurement design (timings on shared machines drift by 10-20% over seconds, far
   property of the drafter on this text, not of k).
 - The sweep runs `repeats` rounds over all k, alternating the order, so slow drift hits every k alike; per k the
   chunks of all rounds are pooled.
+- Trees are swept the same way, in the same rounds, with their own phases (cost_model.py's module docstring): the
+  whole tree draft, verify of its nodes under the tree mask, draft-extend over its deepest path, its bookkeeping. A
+  tree's per-depth acceptance comes from its own steady chunks (it depends on topk and num_draft_tokens, so it is not
+  pooled with the chains' or other trees'); its prediction tests the cycle-time side of the model.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ from tqdm.auto import tqdm
 
 from jaxspec.decoding.generate import MIN_PROMPT_BUCKET, LoopCache, bucket, generate
 from jaxspec.profiling.cost_model import (
+    DEFAULT_TREES,
     GAP_TOLERANCE,
+    Config,
     CostModel,
+    TreeShape,
     conditional_acceptance,
     explain_gap,
     pool_counters,
@@ -63,8 +71,16 @@ class Chunk:
     phases: dict[str, float]  # seconds per call: "other", and "decode" (k = 0) or "verify", "extend" (+ "draft")
 
 
-def time_phases_of(timer: PhaseTimer, k: int, *, reps: int = 1) -> dict[str, float]:
-    """Seconds per call of the phases a cycle of depth k runs (compiled on first use)."""
+def time_phases_of(timer: PhaseTimer, k: Config, *, reps: int = 1) -> dict[str, float]:
+    """Seconds per call of the phases a cycle of depth k (or a tree) runs (compiled on first use)."""
+    if isinstance(k, TreeShape):
+        S, K, T = k.num_steps, k.topk, k.num_draft_tokens
+        return {
+            "other": timer.tree_bookkeeping(S, K, T, warmup=0, reps=reps),
+            "draft": timer.tree_draft(S, K, warmup=0, reps=reps),
+            "verify": timer.tree_verify(T, warmup=0, reps=reps),
+            "extend": timer.extend(S + 1, warmup=0, reps=reps),
+        }
     out = {"other": timer.bookkeeping(k + 1, warmup=0, reps=reps)}
     if k == 0:
         return out | {"decode": timer.decode(warmup=0, reps=reps)}
@@ -99,7 +115,7 @@ def run_depth(
     target,
     drafter,
     prompts: Sequence[Sequence[int]],
-    k: int,
+    k: Config,
     timer: PhaseTimer,
     *,
     max_new_tokens: int,
@@ -107,8 +123,8 @@ def run_depth(
     reps: int = 1,
     loops: LoopCache | None = None,
 ) -> tuple[list[Chunk], dict[str, Any]]:
-    """One `generate` run at depth k with the phases of k timed after every chunk; returns its steady chunks (see the
-    module docstring) and the run's stats. `loops`: the compiled loops to reuse (see `LoopCache`)."""
+    """One `generate` run at depth k (or a tree) with its phases timed after every chunk; returns its steady chunks
+    (see the module docstring) and the run's stats. `loops`: the compiled loops to reuse (see `LoopCache`)."""
 
     marks = []
 
@@ -122,12 +138,34 @@ def run_depth(
         drafter if k else None,
         prompts,
         max_new_tokens=max_new_tokens,
-        num_steps=k,
+        **loop_settings(k),
         stream_cycles=stream_cycles,
         on_progress=hook,
         loops=loops,
     ).stats
     return steady_chunks(marks), stats
+
+
+def parse_trees(text: str) -> list[TreeShape]:
+    """`STEPS:TOPK:TOKENS,...` (or `default`: DEFAULT_TREES) as tree shapes; ValueError naming a bad entry."""
+    if text.strip() == "default":
+        return list(DEFAULT_TREES)
+    shapes = [TreeShape.parse(part) for part in text.split(",") if part.strip()]
+    if not shapes:
+        raise ValueError(f"expected STEPS:TOPK:TOKENS,... or 'default', got {text!r}")
+    return shapes
+
+
+def loop_settings(k: Config) -> dict[str, Any]:
+    """`generate`'s draft settings for a chain depth or a tree."""
+    if isinstance(k, TreeShape):
+        return {"num_steps": k.num_steps, "topk": k.topk, "num_draft_tokens": k.num_draft_tokens}
+    return {"num_steps": k}
+
+
+def label(k: Config) -> str:
+    """A configuration's name in tables and messages: k=3, or tree 4x2/8."""
+    return f"tree {k.label}" if isinstance(k, TreeShape) else f"k={k}"
 
 
 def _phase(chunks: Sequence[Chunk], name: str) -> float:
@@ -141,6 +179,7 @@ def tune(
     prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS,
     ks: Iterable[int] = range(0, 5),
     *,
+    trees: Iterable[TreeShape | tuple[int, int, int]] = (),
     max_new_tokens: int = 256,
     output_dir: str | Path | None = None,
     collective_preset: str | dict | None = None,
@@ -150,34 +189,38 @@ def tune(
     repeats: int = 3,
     verbose: bool = True,
 ) -> dict[str, Any]:
-    """Sweep draft depths `ks` and return (and with `output_dir`, write `tune.json` + `tune.png`) the tuning report.
+    """Sweep draft depths `ks` and tree shapes `trees` ((num_steps, topk, num_draft_tokens) each) and return (and
+    with `output_dir`, write `tune.json` + `tune.png`) the tuning report.
 
-    `repeats` rounds over all k; each phase is timed `reps` x `inner` calls after every chunk of `stream_cycles`
-    cycles. Raises ValueError when some k has no steady chunk (every prompt must run at least two chunks)."""
-    ks, prompts = _check_sweep(ks, drafter, prompts, repeats)
+    `repeats` rounds over all configurations; each phase is timed `reps` x `inner` calls after every chunk of
+    `stream_cycles` cycles. Raises ValueError when a configuration has no steady chunk (every prompt must run at
+    least two chunks), or naming the bad argument."""
+    ks, trees, prompts = _check_sweep(ks, trees, drafter, prompts, repeats)
+    configs: list[Config] = [*ks, *trees]
     sweep = _Sweep(target, drafter, prompts, max_new_tokens, stream_cycles, reps, LoopCache())
-    bar = tqdm(total=(repeats + 1) * len(ks), desc="jaxspec tune", unit="run", disable=not verbose)
-    timer_of = sweep.compile(ks, inner, bar)
-    chunks: dict[int, list[Chunk]] = {k: [] for k in ks}
-    last_stats: dict[int, dict] = {}
+    bar = tqdm(total=(repeats + 1) * len(configs), desc="jaxspec tune", unit="run", disable=not verbose)
+    timer_of = sweep.compile(configs, inner, bar)
+    chunks: dict[Config, list[Chunk]] = {k: [] for k in configs}
+    last_stats: dict[Config, dict] = {}
     for round_ in range(repeats):
-        for k in ks if round_ % 2 == 0 else ks[::-1]:
-            bar.set_postfix(k=k, round=round_ + 1)
+        for k in configs if round_ % 2 == 0 else configs[::-1]:
+            bar.set_postfix(config=label(k), round=round_ + 1)
             got, last_stats[k] = sweep.run(k, timer_of[k])
             chunks[k] += got
             bar.update()
     bar.close()
-    empty = [k for k in ks if not chunks[k]]
+    empty = [label(k) for k in configs if not chunks[k]]
     if empty:
         raise ValueError(
-            f"k = {empty}: no steady chunk (after the first {stream_cycles} cycles and before any prompt finished); "
-            f"raise max_new_tokens (now {max_new_tokens}) or lower stream_cycles"
+            f"{', '.join(empty)}: no steady chunk (after the first {stream_cycles} cycles and before any prompt "
+            f"finished); raise max_new_tokens (now {max_new_tokens}) or lower stream_cycles"
         )
-    counters = {k: pool_counters((c.reached, c.accepted) for c in chunks[k]) for k in ks}  # per k, its chunks
-    model = _fit(chunks, counters, timer_of, ks, reps, len(prompts))
-    rows = [_row(k, model, _measured(chunks[k], counters[k], last_stats[k], len(prompts))) for k in ks]
+    counters = {k: pool_counters((c.reached, c.accepted) for c in chunks[k]) for k in configs}  # per config
+    model = _fit(chunks, counters, timer_of, ks, trees, reps, len(prompts))
+    rows = [_row(k, model, _measured(chunks[k], counters[k], last_stats[k], len(prompts))) for k in configs]
     settings = {"rounds": repeats, "stream_cycles": stream_cycles, "phase_calls_per_chunk": reps * inner}
-    report = _report(rows, model, counters, settings, timer_of[ks[-1]], target, max_new_tokens, collective_preset)
+    setup = _setup(timer_of[configs[-1]], len(prompts), target, max_new_tokens, collective_preset)
+    report = _report(rows, model, {k: counters[k] for k in ks}, settings) | setup
     if verbose:
         print(format_table(report))
     if output_dir is not None:
@@ -188,19 +231,30 @@ def tune(
     return report
 
 
-def _check_sweep(ks: Iterable[int], drafter, prompts, repeats: int) -> tuple[list[int], list[list[int]]]:
-    """The sorted distinct depths and the prompts as lists of ints, or ValueError naming the bad argument."""
+def _check_sweep(ks, trees, drafter, prompts, repeats: int) -> tuple[list[int], list[TreeShape], list[list[int]]]:
+    """The sorted distinct depths and tree shapes and the prompts as lists of ints, or ValueError naming the bad
+    argument."""
+    from jaxspec.decoding.generate import check_tree
+
     ks = sorted(set(int(k) for k in ks))
-    if not ks or ks[0] < 0:
+    trees = sorted(set(t if isinstance(t, TreeShape) else TreeShape(*t) for t in trees))
+    if not ks and not trees:
+        raise ValueError("ks, trees: nothing to sweep (give draft depths, tree shapes or both)")
+    if ks and ks[0] < 0:
         raise ValueError(f"ks: expected non-negative draft depths, got {ks}")
-    if ks[-1] > 0 and drafter is None:
-        raise ValueError(f"ks up to {ks[-1]} need a drafter (only k = 0 runs without one)")
+    if (ks and ks[-1] > 0 or trees) and drafter is None:
+        raise ValueError("ks > 0 and trees need a drafter (only k = 0 runs without one)")
+    for t in trees:
+        try:
+            check_tree(t.num_steps, t.topk, t.num_draft_tokens, drafter)
+        except ValueError as e:
+            raise ValueError(f"trees: {t.label}: {e}") from None
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
         raise ValueError("prompts: expected at least one prompt of token ids")
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1 rounds, got {repeats}")
-    return ks, prompts
+    return ks, trees, prompts
 
 
 @dataclasses.dataclass
@@ -215,20 +269,20 @@ class _Sweep:
     reps: int
     loops: LoopCache
 
-    def compile(self, ks: Sequence[int], inner: int, bar) -> dict[int, PhaseTimer]:
+    def compile(self, configs: Sequence[Config], inner: int, bar) -> dict[Config, PhaseTimer]:
         """Compile every loop and phase program first: one phase timer per (batch, buffer) bucket the loops use."""
         target, drafter, prompts = self.target, self.drafter, self.prompts
         context = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET) + self.max_new_tokens // 2
         timers: dict[tuple[int, int], PhaseTimer] = {}
-        timer_of: dict[int, PhaseTimer] = {}
-        for k in ks:
-            bar.set_postfix(k=k, round="compile")
+        timer_of: dict[Config, PhaseTimer] = {}
+        for k in configs:
+            bar.set_postfix(config=label(k), round="compile")
             first = generate(
                 target,
                 drafter if k else None,
                 prompts,
                 max_new_tokens=self.max_new_tokens,
-                num_steps=k,
+                **loop_settings(k),
                 loops=self.loops,
             )
             shape = (first.stats["buckets"]["batch"], first.stats["buckets"]["buffer"])
@@ -241,7 +295,7 @@ class _Sweep:
             bar.update()
         return timer_of
 
-    def run(self, k: int, timer: PhaseTimer) -> tuple[list[Chunk], dict[str, Any]]:
+    def run(self, k: Config, timer: PhaseTimer) -> tuple[list[Chunk], dict[str, Any]]:
         return run_depth(
             self.target,
             self.drafter,
@@ -255,23 +309,38 @@ class _Sweep:
         )
 
 
-def _fit(chunks, counters, timer_of, ks: list[int], reps: int, batch: int) -> CostModel:
-    """The cost model from the phase times of the steady chunks and the acceptance pooled over all k."""
-    reached, accepted = pool_counters(counters.values())  # position j over every k >= j
+def _fit(chunks, counters, timer_of, ks: list[int], trees: list[TreeShape], reps: int, batch: int) -> CostModel:
+    """The cost model from the phase times of the steady chunks: the chains' acceptance pooled over all k, each
+    tree's its own."""
+    reached, accepted = pool_counters(counters[k] for k in ks)  # position j over every k >= j
     drafting = [c for k in ks if k >= 2 for c in chunks[k]]
     if 0 in ks:
         t_decode = _phase(chunks[0], "decode")
     else:
-        t_decode = timer_of[ks[0]].decode(reps=max(3, reps))
+        t_decode = next(iter(timer_of.values())).decode(reps=max(3, reps))
+    # Draft-extend over n tokens is one program whether a chain (k = n - 1) or a tree (num_steps = n - 1) runs it.
+    span = lambda k: k.num_steps + 1 if isinstance(k, TreeShape) else k + 1  # noqa: E731
     return CostModel(
         t_draft=_phase(drafting, "draft") if drafting else 0.0,
         t_verify={k + 1: _phase(chunks[k], "verify") for k in ks if k},
-        t_extend={k + 1: _phase(chunks[k], "extend") for k in ks if k},
+        t_extend=_per([k for k in chunks if k], chunks, "extend", span),
         t_decode=t_decode,
-        acceptance=conditional_acceptance(reached, accepted),
+        acceptance=conditional_acceptance(reached, accepted) if ks else (),
         t_other={k + 1: _phase(chunks[k], "other") for k in ks},
         batch=batch,
+        t_tree_draft=_per(trees, chunks, "draft", lambda t: (t.num_steps, t.topk)),
+        t_tree_verify=_per(trees, chunks, "verify", lambda t: t.num_draft_tokens),
+        t_tree_other={t: _phase(chunks[t], "other") for t in trees},
+        tree_acceptance={t: conditional_acceptance(*counters[t]) for t in trees},
     )
+
+
+def _per(configs: Sequence[Config], chunks, phase: str, key) -> dict:
+    """A phase's mean seconds per `key(config)`, over the chunks of every configuration sharing that key."""
+    groups: dict[Any, list[Chunk]] = {}
+    for t in configs:
+        groups.setdefault(key(t), []).extend(chunks[t])
+    return {g: _phase(cs, phase) for g, cs in groups.items()}
 
 
 def _measured(chunks: list[Chunk], counters, stats: dict[str, Any], prompts: int) -> dict[str, Any]:
@@ -290,8 +359,8 @@ def _measured(chunks: list[Chunk], counters, stats: dict[str, Any], prompts: int
     }
 
 
-def _row(k: int, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
-    """One row of the report: the model's terms and prediction at k next to what was measured."""
+def _row(k: Config, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
+    """One row of the report: the model's terms and prediction for k (or a tree) next to what was measured."""
     terms = model.terms(k)
     e_pred, t_pred, r_pred = model.expected_tokens(k), model.cycle_time(k), model.predict(k)
     explanation = explain_gap(
@@ -299,9 +368,11 @@ def _row(k: int, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
         run["tok_s"],
         {"tokens per cycle E(k)": (e_pred, run["tokens_per_cycle"]), "cycle time T(k)": (t_pred, run["cycle_s"])},
     )
-    return {
-        "k": k,
-        "draft_tokens": k,
+    if isinstance(k, TreeShape):
+        head = {"tree": k.label} | dataclasses.asdict(k) | {"draft_tokens": k.num_draft_tokens - 1}
+    else:
+        head = {"k": k, "draft_tokens": k}
+    return head | {
         "draft_steps": model.draft_steps(k),
         "draft_ms": terms["draft"] * 1e3,
         "verify_ms": terms["verify"] * 1e3,
@@ -323,38 +394,58 @@ def _row(k: int, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _report(rows, model: CostModel, counters, settings, timer: PhaseTimer, target, max_new_tokens, preset) -> dict:
-    """The tuning report (tune.json): the rows, the recommendation, the phases and the run's setup."""
-    import jax
-    import jaxlib
+def _config_of(row: dict[str, Any]) -> dict[str, Any]:
+    """The `generate` settings of a row (chains: topk 1, num_steps + 1 verified tokens)."""
+    if "tree" in row:
+        return {"num_steps": row["num_steps"], "topk": row["topk"], "num_draft_tokens": row["num_draft_tokens"]}
+    return {"num_steps": row["k"], "topk": 1, "num_draft_tokens": row["k"] + 1}
 
-    reached, accepted = pool_counters(counters.values())
-    ks = [r["k"] for r in rows]
+
+def _report(rows, model: CostModel, chain_counters, settings) -> dict:
+    """The tuning report's results (tune.json): the rows, the recommendations and the phases."""
+    chains, trees = [r for r in rows if "k" in r], [r for r in rows if "tree" in r]
+    best = max(rows, key=lambda r: r["predicted_tok_s"])  # the first on ties: chains before trees
     measured_best = max(rows, key=lambda r: r["measured_tok_s"])
-    recommended = model.best_k(ks)
-    rec_row = next(r for r in rows if r["k"] == recommended)
-    return {
-        "rows": rows,
-        "recommended_k": recommended,
-        "measured_best_k": measured_best["k"],
-        "recommended_within_3pct": rec_row["measured_tok_s"] >= 0.97 * measured_best["measured_tok_s"],
+    report = {
+        "rows": chains,
+        "tree_rows": trees,
+        "recommended": _config_of(best) | {"label": best.get("tree", f"k={best.get('k')}")},
+        "measured_best": _config_of(measured_best),
+        "recommended_within_3pct": best["measured_tok_s"] >= 0.97 * measured_best["measured_tok_s"],
         "gap_tolerance": GAP_TOLERANCE,
         "all_within_tolerance": all(abs(r["gap"]) <= GAP_TOLERANCE for r in rows),
-        "acceptance": {
+    }
+    if chains:  # the best chain (what `serve` and the chain-only consumers of tune.json read)
+        report["recommended_k"] = model.best_k([r["k"] for r in chains])
+        report["measured_best_k"] = max(chains, key=lambda r: r["measured_tok_s"])["k"]
+        reached, accepted = pool_counters(chain_counters.values())
+        report["acceptance"] = {
             "reached": reached.tolist(),
             "accepted": accepted.tolist(),
             "rate": [None if np.isnan(a) else float(a) for a in model.acceptance],
-        },
-        "phases_ms": {
-            "draft": model.t_draft * 1e3,
-            "verify": {str(t): v * 1e3 for t, v in model.t_verify.items()},
-            "extend": {str(t): v * 1e3 for t, v in model.t_extend.items()},
-            "decode": model.t_decode * 1e3,
-            "other": {str(t): v * 1e3 for t, v in model.t_other.items()},
-        },
-        "measurement": settings | {"pairing": "phases of k timed right after every steady chunk of the loop at k"},
-        "baseline_tok_s": model.baseline(),
-        "batch": {"prompts": model.batch, "padded": timer.batch, "buffer": timer.cache_len},
+        }
+    report["phases_ms"] = {
+        "draft": model.t_draft * 1e3,
+        "verify": {str(t): v * 1e3 for t, v in model.t_verify.items()},
+        "extend": {str(t): v * 1e3 for t, v in model.t_extend.items()},
+        "decode": model.t_decode * 1e3,
+        "other": {str(t): v * 1e3 for t, v in model.t_other.items()},
+        "tree_draft": {f"{s}x{k}": v * 1e3 for (s, k), v in model.t_tree_draft.items()},
+        "tree_verify": {str(t): v * 1e3 for t, v in model.t_tree_verify.items()},
+        "tree_other": {t.label: v * 1e3 for t, v in model.t_tree_other.items()},
+    }
+    report["measurement"] = settings | {"pairing": "phases of a configuration timed right after every steady chunk"}
+    report["baseline_tok_s"] = model.baseline()
+    return report
+
+
+def _setup(timer: PhaseTimer, prompts: int, target, max_new_tokens: int, preset) -> dict:
+    """What the report was measured on: batch, mesh, collective preset, platform and versions."""
+    import jax
+    import jaxlib
+
+    return {
+        "batch": {"prompts": prompts, "padded": timer.batch, "buffer": timer.cache_len},
         "max_new_tokens": max_new_tokens,
         "mesh": {str(name): int(size) for name, size in target.mesh.shape.items()},
         "collective_preset": preset.get("name") if isinstance(preset, dict) else preset,
@@ -367,20 +458,32 @@ def _report(rows, model: CostModel, counters, settings, timer: PhaseTimer, targe
 def format_table(report: dict[str, Any]) -> str:
     """The sweep as a text table, with the recommendation and any unexplained gaps underneath."""
     lines = [" | ".join(TABLE_COLUMNS)]
-    for r in report["rows"]:
+    rows = report["rows"] + report.get("tree_rows", [])
+    for r in rows:
+        name = r.get("tree", r.get("k"))
         lines.append(
-            f"{r['k']} | {r['draft_tokens']} | {r['verify_ms']:.3f} | {r['cycle_ms']:.3f} | {r['E']:.3f} | "
+            f"{name} | {r['draft_tokens']} | {r['verify_ms']:.3f} | {r['cycle_ms']:.3f} | {r['E']:.3f} | "
             f"{r['predicted_tok_s']:.1f} | {r['measured_tok_s']:.1f} | {r['gap']:+.1%}"
         )
-    lines.append(f"recommended k = {report['recommended_k']} (measured best k = {report['measured_best_k']})")
-    rates = ", ".join("-" if a is None else f"{a:.2f}" for a in report["acceptance"]["rate"])
-    lines.append(f"acceptance by position: [{rates}]")
-    lines += [f"k={r['k']}: {r['gap_explanation']}" for r in report["rows"] if r["gap_explanation"]]
+    if "recommended_k" in report:
+        lines.append(f"recommended k = {report['recommended_k']} (measured best k = {report['measured_best_k']})")
+    if report.get("tree_rows"):
+        best = report["measured_best"]
+        lines.append(
+            f"recommended: {report['recommended']['label']} (measured best: num_steps {best['num_steps']}, "
+            f"topk {best['topk']}, {best['num_draft_tokens']} draft tokens)"
+        )
+    if "acceptance" in report:
+        rates = ", ".join("-" if a is None else f"{a:.2f}" for a in report["acceptance"]["rate"])
+        lines.append(f"acceptance by position: [{rates}]")
+    name = lambda r: f"tree {r['tree']}" if "tree" in r else f"k={r['k']}"  # noqa: E731
+    lines += [f"{name(r)}: {r['gap_explanation']}" for r in rows if r["gap_explanation"]]
     return "\n".join(lines)
 
 
 def plot(report: dict[str, Any], path: str | Path) -> str | None:
-    """tune.png: tokens/s vs k (predicted, measured) and acceptance by position. None without matplotlib."""
+    """tune.png: tokens/s against draft tokens per cycle (predicted, measured; chains as lines, trees as points) and
+    the chains' acceptance by position. None without matplotlib."""
     try:
         import matplotlib
 
@@ -388,18 +491,27 @@ def plot(report: dict[str, Any], path: str | Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    ks = [r["k"] for r in report["rows"]]
+    rows, trees = report["rows"], report.get("tree_rows", [])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(ks, [r["predicted_tok_s"] for r in report["rows"]], "o--", label="predicted")
-    ax1.plot(ks, [r["measured_tok_s"] for r in report["rows"]], "s-", label="measured")
-    ax1.axvline(report["recommended_k"], color="gray", lw=0.8, ls=":", label=f"k* = {report['recommended_k']}")
-    ax1.set(xlabel="draft tokens k", ylabel="tokens/s", title="throughput vs draft depth", xticks=ks)
-    ax1.legend()
-    rates = [np.nan if a is None else a for a in report["acceptance"]["rate"]]
+    ks = [r["k"] for r in rows]
+    ax1.plot(ks, [r["predicted_tok_s"] for r in rows], "o--", label="chain, predicted")
+    ax1.plot(ks, [r["measured_tok_s"] for r in rows], "s-", label="chain, measured")
+    if trees:
+        x = [r["draft_tokens"] for r in trees]
+        ax1.plot(x, [r["predicted_tok_s"] for r in trees], "^", mfc="none", label="tree, predicted")
+        ax1.plot(x, [r["measured_tok_s"] for r in trees], "^", label="tree, measured")
+        for r in trees:
+            ax1.annotate(r["tree"], (r["draft_tokens"], r["measured_tok_s"]), fontsize=7, xytext=(3, 3),
+                         textcoords="offset points")  # fmt: skip
+    if "recommended_k" in report:
+        ax1.axvline(report["recommended_k"], color="gray", lw=0.8, ls=":", label=f"k* = {report['recommended_k']}")
+    ax1.set(xlabel="draft tokens per cycle", ylabel="tokens/s", title=f"recommended: {report['recommended']['label']}")
+    ax1.legend(fontsize=8)
+    rates = [np.nan if a is None else a for a in report.get("acceptance", {}).get("rate", [])]
     pos = np.arange(1, len(rates) + 1)
     ax2.plot(pos, rates, "o-", label="a_j (conditional)")
     ax2.plot(pos, np.cumprod(np.nan_to_num(rates)), "s--", label="P(first j accepted)")
-    ax2.set(xlabel="draft position j", ylabel="rate", ylim=(0, 1.05), title="acceptance by position")
+    ax2.set(xlabel="draft position j", ylabel="rate", ylim=(0, 1.05), title="chain acceptance by position")
     if len(pos):
         ax2.set_xticks(pos)
     ax2.legend()

@@ -5,6 +5,7 @@ import pytest
 
 from jaxspec.profiling.cost_model import (
     CostModel,
+    TreeShape,
     acceptance_from_throughput,
     conditional_acceptance,
     expected_tokens,
@@ -100,6 +101,36 @@ def test_best_k():
     assert cheap.best_k(range(1, 6)) == 2
     with pytest.raises(ValueError, match="no depths"):
         cheap.best_k([])
+
+
+def test_tree_terms_and_prediction():
+    """A tree's cycle: its whole draft (by (num_steps, topk), affine in num_steps between measured ones), verify by
+    node count under the mask (affine like a chain's), the chain's draft-extend over num_steps + 1 slots, its own
+    bookkeeping; E from its own per-depth rates."""
+    small, big = TreeShape(3, 2, 6), TreeShape(5, 2, 10)
+    m = _model(
+        [0.6, 0.45],
+        t_extend={2: 1e-3, 4: 1.2e-3, 6: 1.4e-3},
+        t_tree_draft={(2, 2): 2e-3, (3, 2): 3e-3},
+        t_tree_verify={4: 19e-3, 6: 21e-3},
+        t_tree_other={small: 0.3e-3, big: 0.4e-3},
+        tree_acceptance={small: [0.8, 0.5, 0.25], big: [0.8, 0.6, np.nan, 0.5, 0.5]},
+    )
+    assert m.terms(small) == pytest.approx({"draft": 3e-3, "verify": 21e-3, "extend": 1.2e-3, "other": 0.3e-3})
+    assert m.expected_tokens(small) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert m.predict(small) == pytest.approx(2.3 / 25.5e-3)
+    assert m.draft_steps(small) == 2
+    big_terms = m.terms(big)  # 5 steps of topk 2: 1 ms per step past the measured 2 and 3; 10 nodes: 1 ms per node
+    assert big_terms["draft"] == pytest.approx(5e-3) and big_terms["verify"] == pytest.approx(25e-3)
+    assert m.expected_tokens(big) == pytest.approx(1 + 0.8 + 0.48)  # an unmeasured depth counts as never accepted
+    assert m.best([0, 1, 2, small]) == max([0, 1, 2, small], key=m.predict)
+    for shape, field in [(TreeShape(3, 3, 6), "t_tree_draft"), (TreeShape(3, 2, 7), "t_tree_other")]:
+        with pytest.raises(ValueError, match=field):
+            m.cycle_time(shape)
+    with pytest.raises(ValueError, match="no acceptance measured"):
+        _model([0.5], t_tree_other={small: 1e-3}).expected_tokens(small)
+    with pytest.raises(ValueError, match="topk = 1 is a chain"):
+        TreeShape(3, 1, 4)
 
 
 def test_explain_gap():

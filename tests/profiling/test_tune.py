@@ -11,8 +11,9 @@ import pytest
 
 from jaxspec import KimiConfig, Progress, Target
 from jaxspec.cli import tune as tune_cli
+from jaxspec.profiling.cost_model import TreeShape
 from jaxspec.profiling.timing import PhaseTimer
-from jaxspec.profiling.tune import TABLE_COLUMNS, format_table, steady_chunks, time_phases_of, tune
+from jaxspec.profiling.tune import TABLE_COLUMNS, format_table, parse_trees, steady_chunks, time_phases_of, tune
 from sharding.mesh import make_mesh
 from tests.decoding.drafters import random_drafter
 
@@ -68,6 +69,51 @@ def test_tune_one_device(target, tmp_path, ks):
     assert table.splitlines()[0] == " | ".join(TABLE_COLUMNS) and "recommended k" in table
 
 
+def test_tune_sweeps_trees_next_to_chains(target, tmp_path):
+    """Trees in the sweep: each row's cycle is its own measured phases (whole tree draft, verify of its nodes under
+    the mask, draft-extend over its deepest path, its bookkeeping), E comes from its own counters, and the
+    recommendation is the highest predicted rate among chains and trees."""
+    tree = TreeShape(2, 2, 4)
+    report = tune(target, random_drafter(target), PROMPTS, (0,), trees=[(2, 2, 4)], output_dir=tmp_path, **FAST)
+    [row] = report["tree_rows"]
+    assert (row["tree"], row["num_steps"], row["topk"], row["num_draft_tokens"]) == ("2x2/4", 2, 2, 4)
+    assert row["draft_tokens"] == 3 and row["draft_steps"] == 1 and len(row["measured_acceptance"]) == 2
+    terms = row["draft_ms"] + row["verify_ms"] + row["extend_ms"] + row["other_ms"]
+    assert row["cycle_ms"] == pytest.approx(terms) and min(row["draft_ms"], row["other_ms"]) > 0
+    assert row["verify_ms"] == pytest.approx(report["phases_ms"]["tree_verify"]["4"])
+    assert row["extend_ms"] == pytest.approx(report["phases_ms"]["extend"]["3"])  # num_steps + 1 slots
+    assert set(report["phases_ms"]["tree_draft"]) == {"2x2"} and set(report["phases_ms"]["tree_other"]) == {"2x2/4"}
+    assert 1.0 <= row["E"] < 1.3 and row["E"] == pytest.approx(row["measured_E"], rel=0.05)  # its own counters
+    best = max(report["rows"] + report["tree_rows"], key=lambda r: r["predicted_tok_s"])
+    expected = {"num_steps": 0, "topk": 1, "num_draft_tokens": 1} if "k" in best else {
+        "num_steps": 2, "topk": 2, "num_draft_tokens": 4}  # fmt: skip
+    assert {k: report["recommended"][k] for k in expected} == expected
+    assert report["recommended_k"] == 0  # the best chain (what serve reads)
+    saved = json.loads((tmp_path / "tune.json").read_text())
+    assert saved["tree_rows"][0]["tree"] == "2x2/4" and saved["recommended"] == report["recommended"]
+    table = format_table(report)
+    assert "\n2x2/4 | 3 | " in table and "recommended: " in table
+    assert tree.label == "2x2/4"
+
+
+def test_tree_shapes_parse_and_refuse_what_the_loop_does_not_run(target):
+    assert parse_trees("4:2:8, 3x3/8") == [TreeShape(4, 2, 8), TreeShape(3, 3, 8)]
+    assert TreeShape(3, 2, 7) in parse_trees("default")
+    for text, message in [
+        ("4:2", "STEPS:TOPK:TOKENS"),
+        ("a:b:c", "STEPS:TOPK:TOKENS"),
+        ("3:1:4", "topk = 1 is a chain"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_trees(text)
+    with pytest.raises(ValueError, match="trees: 2x2/9: num_draft_tokens: expected 2..7"):
+        tune(target, random_drafter(target), PROMPTS, (0,), trees=[(2, 2, 9)], **FAST)
+    with pytest.raises(ValueError, match="need a drafter"):
+        tune(target, None, PROMPTS, (0,), trees=[(2, 2, 4)], **FAST)
+    with pytest.raises(ValueError, match="nothing to sweep"):
+        tune(target, None, PROMPTS, (), **FAST)
+
+
 @pytest.mark.slow  # ~40 s of compiles; the one-device sweep above runs the same code in the default suite
 def test_tune_on_8_devices(target):
     mesh_target = target.on_mesh(make_mesh("1x8"))
@@ -107,6 +153,9 @@ def test_phase_set_per_depth(target):
     assert set(two) == {"verify", "extend", "draft", "other"} and all(v > 0 for v in two.values())
     assert two["other"] < two["verify"]  # accept/commit bookkeeping is cheap next to a target forward
     assert timer.tree_verify(4, warmup=0, reps=1) > 0  # a 4-node tree under its ancestor mask
+    tree = time_phases_of(timer, TreeShape(3, 2, 6))
+    assert set(tree) == {"draft", "verify", "extend", "other"} and all(v > 0 for v in tree.values())
+    assert time_phases_of(timer, TreeShape(1, 2, 3))["draft"] > 0  # the root's top-k alone, no drafter step
 
 
 def test_tune_without_a_steady_chunk_says_what_to_change(target):
@@ -166,21 +215,31 @@ def test_cli_arguments_and_prompts_file(tmp_path):
         tune_cli.run(p.parse_args(["--model", str(tmp_path)]))
     with pytest.raises(SystemExit, match="prompts-file"):
         tune_cli.run(p.parse_args(["--preset", "tiny", "--prompts-file", str(bad)]))
+    with pytest.raises(SystemExit, match="--trees: .*num_draft_tokens"):
+        tune_cli.run(p.parse_args(["--preset", "tiny", "--trees", "3:2:40"]))
+    with pytest.raises(SystemExit, match="--trees: tree shape 'x'"):
+        tune_cli.run(p.parse_args(["--preset", "tiny", "--trees", "x"]))
 
 
-@pytest.mark.parametrize("name", ["tune_bundled", "tune_bundled_k6"])
+@pytest.mark.parametrize("name", ["tune_bundled", "tune_bundled_k6", "tune_bundled_trees"])
 def test_recorded_bundled_tuning_meets_the_criteria(name):
-    """The recorded tuner runs on the bundled pair (`python benchmarks/tune_bundled.py`): every predicted rate within
-    10% of the measured one, the recommendation within 3% of the measured best, the run's setup recorded; the README
-    shows the k = 0..4 table as recorded."""
+    """The recorded tuner runs on the bundled pair (`python benchmarks/tune_bundled.py`, with `--trees default` for
+    tune_bundled_trees): every predicted rate within 10% of the measured one (trees included), the recommendation
+    within 3% of the measured best, the run's setup recorded; the README shows the tables as recorded."""
     report = json.loads((RESULTS / name / "tune.json").read_text())
-    assert all(abs(r["gap"]) <= 0.10 for r in report["rows"]) and report["all_within_tolerance"]
+    every = report["rows"] + report.get("tree_rows", [])
+    assert all(abs(r["gap"]) <= 0.10 for r in every) and report["all_within_tolerance"]
     best = max(r["measured_tok_s"] for r in report["rows"])
     rows = {r["k"]: r for r in report["rows"]}
-    assert rows[report["recommended_k"]]["measured_tok_s"] >= 0.97 * best and report["recommended_within_3pct"]
+    assert rows[report["recommended_k"]]["measured_tok_s"] >= 0.97 * best
+    if name == "tune_bundled_trees":  # the recommendation is among chains and trees
+        assert len(report["tree_rows"]) == 4
+        recommended = max(every, key=lambda r: r["predicted_tok_s"])
+        assert recommended["measured_tok_s"] >= 0.97 * max(r["measured_tok_s"] for r in every)
+    assert report["recommended_within_3pct"]
     assert report["batch"]["prompts"] == 8 and report["max_new_tokens"] == 256 and report["measurement"]["rounds"] == 3
     assert {"mesh", "collective_preset", "versions", "platform"} <= set(report)
-    if name == "tune_bundled":
+    if name in ("tune_bundled", "tune_bundled_trees"):
         readme = (RESULTS.parents[1] / "README.md").read_text()
         for line in format_table(report).splitlines():
             assert line in readme, line
