@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trees",
         metavar="SHAPES",
         help="also sweep tree drafts: comma-separated STEPS:TOPK:TOKENS (num_steps, topk, num_draft_tokens with the "
-        "root), or 'default' for " + ", ".join(f"{t.num_steps}:{t.topk}:{t.num_draft_tokens}" for t in DEFAULT_TREES),
+        "root; a field may be a range A-B: every shape of the product that holds its tokens), or 'default' for "
+        + ", ".join(f"{t.num_steps}:{t.topk}:{t.num_draft_tokens}" for t in DEFAULT_TREES)
+        + "; each shape is one more run per round",
     )
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt and k (%(default)s)")
     p.add_argument(

@@ -22,6 +22,7 @@ Measurement design (timings on shared machines drift by 10-20% over seconds, far
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -147,13 +148,44 @@ def run_depth(
 
 
 def parse_trees(text: str) -> list[TreeShape]:
-    """`STEPS:TOPK:TOKENS,...` (or `default`: DEFAULT_TREES) as tree shapes; ValueError naming a bad entry."""
+    """`STEPS:TOPK:TOKENS,...` as tree shapes, or `default` (DEFAULT_TREES). A field may be a range `A-B`: the entry
+    then stands for every shape in the product whose tree holds that many tokens (at most topk + (steps - 1) topk^2
+    candidates plus the root, and MAX_DRAFT_TOKENS), e.g. `3-4:2:6-8`. ValueError naming a bad entry."""
+    from jaxspec.decoding.generate import MAX_DRAFT_TOKENS
+    from jaxspec.decoding.tree import num_candidates
+
     if text.strip() == "default":
         return list(DEFAULT_TREES)
-    shapes = [TreeShape.parse(part) for part in text.split(",") if part.strip()]
+    shapes: list[TreeShape] = []
+    for part in filter(str.strip, text.split(",")):
+        fields = part.strip().split(":")
+        if len(fields) != 3 or not any("-" in f for f in fields):
+            shapes.append(TreeShape.parse(part))
+            continue
+        grid = [_span(f, part) for f in fields]
+        fit = [
+            TreeShape(s, k, t)
+            for s, k, t in itertools.product(*grid)
+            if k >= 2 and 2 <= t <= min(num_candidates(k, s) + 1, MAX_DRAFT_TOKENS)
+        ]
+        if not fit:
+            raise ValueError(f"tree shapes {part.strip()!r}: no shape in this range holds its token count")
+        shapes += fit
     if not shapes:
         raise ValueError(f"expected STEPS:TOPK:TOKENS,... or 'default', got {text!r}")
-    return shapes
+    return list(dict.fromkeys(shapes))
+
+
+def _span(field: str, part: str) -> range:
+    """`A` or `A-B` (inclusive) as a range of positive integers."""
+    try:
+        low, _, high = field.partition("-")
+        low, high = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"tree shapes {part.strip()!r}: expected STEPS:TOPK:TOKENS, each a number or A-B") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"tree shapes {part.strip()!r}: range {field!r} must be 1 <= A <= B")
+    return range(low, high + 1)
 
 
 def loop_settings(k: Config) -> dict[str, Any]:

@@ -99,6 +99,13 @@ def test_tune_sweeps_trees_next_to_chains(target, tmp_path):
 def test_tree_shapes_parse_and_refuse_what_the_loop_does_not_run(target):
     assert parse_trees("4:2:8, 3x3/8") == [TreeShape(4, 2, 8), TreeShape(3, 3, 8)]
     assert TreeShape(3, 2, 7) in parse_trees("default")
+    # Ranges: every shape of the product that holds its token count (2 steps of topk 2 hold at most 6 candidates + 1).
+    assert parse_trees("2-3:2:6-8") == [TreeShape(2, 2, 6), TreeShape(2, 2, 7), TreeShape(3, 2, 6), TreeShape(3, 2, 7),
+                                        TreeShape(3, 2, 8)]  # fmt: skip
+    assert parse_trees("1:2-3:3, 1:2:3") == [TreeShape(1, 2, 3), TreeShape(1, 3, 3)]  # duplicates once
+    for text, message in [("1:2:4-9", "no shape in this range"), ("3:2:8-6", "1 <= A <= B"), ("3:a-b:6", "A-B")]:
+        with pytest.raises(ValueError, match=message):
+            parse_trees(text)
     for text, message in [
         ("4:2", "STEPS:TOPK:TOKENS"),
         ("a:b:c", "STEPS:TOPK:TOKENS"),
