@@ -71,6 +71,13 @@ def test_generate_num_steps_auto_takes_a_recommended_tree(tmp_path, capsys):
     assert "num_steps 2, topk 3, 13 draft tokens" in capsys.readouterr().out
 
 
+def test_serve_tree_flags_reach_the_engine_config_and_are_checked_before_loading():
+    with pytest.raises(SystemExit, match="topk=2 drafts a tree: it needs num_steps >= 1"):
+        main(["serve", "--num-steps", "0", "--topk", "2"])
+    with pytest.raises(SystemExit, match="num_draft_tokens: expected 2..7"):
+        main(["serve", "--num-steps", "2", "--topk", "2", "--num-draft-tokens", "9"])
+
+
 def test_train_drafter_is_a_subcommand_and_checks_its_input(tmp_path):
     with pytest.raises(SystemExit, match="--target: .* is not a directory"):
         main(["train-drafter", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])

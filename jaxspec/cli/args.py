@@ -61,13 +61,29 @@ def add_target_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None
 
 
 def add_num_steps_args(p: argparse.ArgumentParser, *, default: str, auto_help: str) -> None:
-    """--num-steps (an integer or 'auto') and --tune DIR (where 'auto' reads recommended_k)."""
+    """--num-steps (an integer or 'auto') and --tune DIR (where 'auto' reads the recommended configuration)."""
     p.add_argument(
         "--num-steps",
         default=default,
         help=f"draft tokens per cycle, 0 = plain decoding, or 'auto': {auto_help} (default: %(default)s)",
     )
     p.add_argument("--tune", type=Path, help="directory holding tune.json from 'jaxspec tune' (for --num-steps auto)")
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """--topk and --num-draft-tokens (tree drafts; --num-steps is then the tree's depth)."""
+    p.add_argument(
+        "--topk",
+        type=int,
+        default=1,
+        help="tree drafts: children kept per frontier node, 1 = a chain (%(default)s); --num-steps is the tree depth",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="tree drafts: nodes verified per cycle, the root included (default: every candidate, at most 64)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -113,25 +129,27 @@ def check_target_args(args: argparse.Namespace, fail: Callable[[str], NoReturn])
             fail(f"--{e}")
 
 
-def recommended_k(path: Path) -> int:
-    """The recommended chain depth in a tune.json written by `jaxspec tune`."""
-    report = json.loads(path.read_text())
-    if "recommended_k" not in report:
-        raise SystemExit(
-            f"jaxspec: --num-steps auto: {path} recommends no chain depth (only trees were swept); rerun "
-            "'jaxspec tune' with chains (the default --max-k)"
-        )
-    return int(report["recommended_k"])
+def auto_num_steps(args: argparse.Namespace, path: Path) -> int:
+    """--num-steps auto: the num_steps of the configuration tune.json at `path` recommends; when it is a tree and
+    neither --topk nor --num-draft-tokens was given, they are set to the tree's (an explicit one wins)."""
+    config = recommended_config(path)
+    if config["topk"] > 1 and args.topk == 1 and args.num_draft_tokens is None:
+        args.topk, args.num_draft_tokens = config["topk"], config["num_draft_tokens"]
+    return config["num_steps"]
 
 
 def recommended_config(path: Path) -> dict[str, int]:
     """The recommended draft configuration (a chain or a tree) in a tune.json: num_steps, topk, num_draft_tokens.
-    A tune.json from before tree sweeps holds a chain depth only."""
+    A tune.json from before tree sweeps holds a chain depth only (`recommended_k`)."""
     report = json.loads(path.read_text())
     if "recommended" in report:
         return {key: int(report["recommended"][key]) for key in ("num_steps", "topk", "num_draft_tokens")}
-    k = recommended_k(path)
-    return {"num_steps": k, "topk": 1, "num_draft_tokens": k + 1}
+    if "recommended_k" in report:
+        k = int(report["recommended_k"])
+        return {"num_steps": k, "topk": 1, "num_draft_tokens": k + 1}
+    raise SystemExit(
+        f"jaxspec: --num-steps auto: {path} holds no recommendation (is it the tune.json of 'jaxspec tune'?)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- target, drafter

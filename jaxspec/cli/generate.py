@@ -12,10 +12,11 @@ from jaxspec.cli.args import (
     add_drafter_arg,
     add_num_steps_args,
     add_target_args,
+    add_tree_args,
+    auto_num_steps,
     build_target,
     check_target_args,
     int_list,
-    recommended_config,
     use_bundled_pair,
 )
 
@@ -47,18 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         auto_help="the configuration --tune DIR/tune.json recommends (a tree sets --topk and --num-draft-tokens too, "
         "unless given)",
     )
-    p.add_argument(
-        "--topk",
-        type=int,
-        default=1,
-        help="tree drafts: children kept per frontier node, 1 = a chain (%(default)s); --num-steps is the tree depth",
-    )
-    p.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=None,
-        help="tree drafts: nodes verified per cycle, the root included (default: every candidate, at most 64)",
-    )
+    add_tree_args(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (%(default)s)")
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling (%(default)s)"
@@ -139,10 +129,7 @@ def num_steps(args: argparse.Namespace) -> int:
             ) from None
     if args.tune is None or not (args.tune / "tune.json").is_file():
         raise UsageError("generate", "--num-steps auto needs --tune DIR with the tune.json of 'jaxspec tune'")
-    config = recommended_config(args.tune / "tune.json")
-    if config["topk"] > 1 and args.topk == 1 and args.num_draft_tokens is None:
-        args.topk, args.num_draft_tokens = config["topk"], config["num_draft_tokens"]
-    return config["num_steps"]
+    return auto_num_steps(args, args.tune / "tune.json")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ from jaxspec.cli.args import (
     add_mesh_arg,
     add_model_arg,
     add_num_steps_args,
-    recommended_k,
+    add_tree_args,
+    auto_num_steps,
     use_bundled_pair,
 )
 
@@ -28,8 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_num_steps_args(
         p,
         default="auto",
-        auto_help="the recommended_k of --tune DIR/tune.json, for the bundled pair its committed tuning result",
+        auto_help="the configuration --tune DIR/tune.json recommends (a tree sets --topk and --num-draft-tokens "
+        "too, unless given), for the bundled pair its committed tuning result",
     )
+    add_tree_args(p)
     p.add_argument("--max-batch", type=int, default=8, help="slots: the batch of the compiled loop (%(default)s)")
     p.add_argument(
         "--max-context", type=int, default=1024, help="positions per slot: prompt + max_tokens + k + 2 (%(default)s)"
@@ -79,8 +82,9 @@ def _num_steps(args, bundled: bool) -> int:
         raise SystemExit("jaxspec serve: --num-steps auto needs --tune DIR (the output of 'jaxspec tune')")
     if not path.is_file():
         raise SystemExit(f"jaxspec serve: --num-steps auto: {path} not found (run 'jaxspec tune')")
-    k = recommended_k(path)
-    log.info("--num-steps auto: k = %d (recommended_k of %s)", k, path)
+    k = auto_num_steps(args, path)
+    tree = f", topk {args.topk}, {args.num_draft_tokens} draft tokens" if args.topk > 1 else ""
+    log.info("--num-steps auto: k = %d%s (the recommendation of %s)", k, tree, path)
     return k
 
 
@@ -128,6 +132,8 @@ def _engine_config(args: argparse.Namespace, num_steps: int):
             max_batch=args.max_batch,
             max_context=args.max_context,
             num_steps=num_steps,
+            topk=args.topk,
+            num_draft_tokens=args.num_draft_tokens,
             prefill_chunk=args.prefill_chunk,
             segment_cycles=args.segment_cycles,
             max_queue=args.max_queue,

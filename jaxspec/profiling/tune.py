@@ -447,7 +447,7 @@ def _report(rows, model: CostModel, chain_counters, settings) -> dict:
         "gap_tolerance": GAP_TOLERANCE,
         "all_within_tolerance": all(abs(r["gap"]) <= GAP_TOLERANCE for r in rows),
     }
-    if chains:  # the best chain (what `serve` and the chain-only consumers of tune.json read)
+    if chains:  # the best chain (what tune.json files from before tree sweeps held; --presets ranks by it)
         report["recommended_k"] = model.best_k([r["k"] for r in chains])
         report["measured_best_k"] = max(chains, key=lambda r: r["measured_tok_s"])["k"]
         reached, accepted = pool_counters(chain_counters.values())

@@ -207,7 +207,7 @@ def _engine_request(engine: Engine, body: _Params, prompt: list[int], chat: bool
     if bad:
         raise _BadRequest(f"token ids must be in [0, {vocab}); got {bad[:5]}", "prompt")
     cfg = engine.config
-    room = cfg.max_context - len(prompt) - cfg.num_steps - 2
+    room = cfg.max_context - len(prompt) - cfg.lookahead - 1
     max_tokens = body.max_tokens if body.max_tokens is not None else (max(room, 1) if chat else min(16, max(room, 1)))
     problem = engine.check(len(prompt), max_tokens)
     if problem:

@@ -13,6 +13,7 @@ One engine step (see `Engine.step`):
 Every program has fixed shapes (B slots, S context positions, C prefill chunk), so nothing recompiles after warm-up.
 Sampling settings, seeds and stop ids are per-row arrays (`LoopConfig.sampling=None`), so greedy and sampled requests
 share a batch; each row draws from its own key, so a request's output never depends on what else is in the batch.
+With `topk` > 1 every cycle drafts a tree (decoding/tree.py): the same steps, a tree cycle inside the segment.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.decoding.generate import check_tree
 from jaxspec.decoding.sampling import RowSampling, Sampling
 from jaxspec.decoding.spec_loop import LoopConfig, LoopState, SpecLoop
 
@@ -50,7 +52,9 @@ class EngineConfig:
 
     max_batch: int = 8  # B: slots
     max_context: int = 1024  # S: positions per slot (prompt + generated + draft lookahead)
-    num_steps: int = 3  # J: draft tokens per cycle (0 = plain decoding)
+    num_steps: int = 3  # J: draft tokens per cycle (0 = plain decoding); with topk > 1 the tree's depth
+    topk: int = 1  # > 1: tree drafts with topk children per frontier node (decoding/tree.py)
+    num_draft_tokens: int | None = None  # trees: nodes verified per cycle, the root included (None: every candidate)
     prefill_chunk: int = 64  # C: prompt tokens per prefill call
     segment_cycles: int = 4  # cycles per segment (admission and streaming happen between segments)
     max_queue: int = 64  # requests waiting for a slot before new ones get QueueFull
@@ -65,6 +69,20 @@ class EngineConfig:
     # While every occupied row is greedy, segments run the static-greedy program (argmax head, no per-row warping
     # or sampling); its tokens are the per-row program's for greedy rows. False: always the per-row program.
     greedy_program: bool = True
+
+    @property
+    def tree(self) -> bool:
+        return self.topk > 1
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens one verify step takes: num_steps + 1 for a chain, num_draft_tokens for a tree."""
+        return check_tree(self.num_steps, self.topk, self.num_draft_tokens, None)
+
+    @property
+    def lookahead(self) -> int:
+        """Cache slots past a row's committed length that one cycle may write (verify, draft-extend)."""
+        return max(self.num_steps + 1, self.verify_tokens)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -85,6 +103,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}: expected an integer >= 1, got {value!r}")
         if not isinstance(self.num_steps, int) or not 0 <= self.num_steps <= 16:
             raise ValueError(f"EngineConfig.num_steps: expected an integer in [0, 16], got {self.num_steps!r}")
+        try:
+            self.verify_tokens  # noqa: B018  (validates topk and num_draft_tokens against num_steps)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.{e}") from None
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue: expected an integer >= 0, got {self.max_queue!r}")
         if any(not isinstance(b, int) or not 1 <= b <= self.max_batch for b in self.batch_buckets):
@@ -139,6 +161,8 @@ class Engine:
     def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, stop_ids=(), metrics=None):
         if config.num_steps and drafter is None:
             raise ValueError(f"num_steps={config.num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
+        if config.tree and drafter is not None:
+            check_tree(config.num_steps, config.topk, config.num_draft_tokens, drafter)  # topk within its vocabulary
         if target.mesh.shape.get("data", 1) != 1:
             raise ValueError("serving: the mesh's data axis must be 1 (slots are prefilled one row at a time)")
         if config.max_context > target.config.max_position_embeddings:
@@ -151,7 +175,8 @@ class Engine:
         self.stop_ids = tuple(sorted(set(target.config.stop_token_ids) | set(stop_ids)))
         self.loop = SpecLoop(target, self.drafter)
         chunk = config.prefill_chunk
-        self.loop_cfg = LoopConfig(config.num_steps, None, self.stop_ids, chunk, chunk)
+        tree = dict(topk=config.topk, num_draft_tokens=config.verify_tokens if config.tree else 0)
+        self.loop_cfg = LoopConfig(config.num_steps, None, self.stop_ids, chunk, chunk, **tree)
         self.greedy_cfg = dataclasses.replace(self.loop_cfg, sampling=Sampling())
         self._q_stale = False  # greedy segments left greedy rows' draft_q as the greedy program's placeholder
         self._admit = jax.jit(_admit, donate_argnums=0)
@@ -169,11 +194,11 @@ class Engine:
     def check(self, prompt_len: int, max_tokens: int) -> str | None:
         """Why a request does not fit a slot (None if it does)."""
         cfg = self.config
-        need = prompt_len + max_tokens + cfg.num_steps + 2
+        need = prompt_len + max_tokens + cfg.lookahead + 1
         chunked = -(-prompt_len // cfg.prefill_chunk) * cfg.prefill_chunk + 1
         if max(need, chunked) > cfg.max_context:
             return (
-                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} (+ {cfg.num_steps + 2} for drafting) "
+                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} (+ {cfg.lookahead + 1} for drafting) "
                 f"exceeds the context of {cfg.max_context} positions per slot"
             )
         return None
@@ -261,7 +286,8 @@ class Engine:
         metrics, self.metrics = self.metrics, None  # the dummy requests are not traffic
         on_progress(
             f"compiling: {cfg.max_batch} slots x {cfg.max_context} positions, prefill chunk {cfg.prefill_chunk}, "
-            f"k = {cfg.num_steps}, {cfg.segment_cycles} cycles per segment"
+            f"k = {cfg.num_steps}{f', topk {cfg.topk}, {cfg.verify_tokens} draft tokens' if cfg.tree else ''}, "
+            f"{cfg.segment_cycles} cycles per segment"
         )
         first = Request([1] * 3, 2 + cfg.num_steps, Sampling(1.0), seed=0)
         self.submit(first)
@@ -276,7 +302,7 @@ class Engine:
                 f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(programs)} programs compiled "
                 f"({time.perf_counter() - start:.1f}s)"
             )
-        if cfg.greedy_program and cfg.num_steps:
+        if cfg.greedy_program and cfg.num_steps and not cfg.tree:
             self.state = _fix_greedy_q(self.state)  # harmless on any state: greedy rows keep their point mass
         self.run_until_idle()
         second = Request([1] * 3, 8)
@@ -299,6 +325,8 @@ class Engine:
         put = lambda x: jax.device_put(x, rep)  # noqa: E731
         drafter = self.drafter
         V = self.target.vocab_size if drafter is not None else 1
+        if self.config.tree:  # a tree's draft_q_BV holds the drafter's logits at the next root
+            V = drafter.config.draft_vocab_size
         D = drafter.config.hidden_size if drafter is not None else 1
         zeros = lambda: put(np.zeros((B,), np.int32))  # noqa: E731  (separate buffers: the programs donate them)
         return LoopState(
@@ -365,7 +393,9 @@ class Engine:
         s = next(s for s in config.contexts if s >= positions)
         program = program or self._program()
         if program is self.greedy_cfg:
-            self._q_stale = config.num_steps > 0
+            # Chains: greedy segments leave a placeholder draft distribution. Trees keep the root's logits (tree
+            # acceptance reads only the target), so there is nothing to fix.
+            self._q_stale = config.num_steps > 0 and not config.tree
         elif self._q_stale:
             self.state = _fix_greedy_q(self.state)
             self._q_stale = False
@@ -386,18 +416,18 @@ class Engine:
         its budget), and every prefilling row's prompt plus the lookahead its riding-along cycles write (the
         drafter's cache writes clamp at the window's end, so they must stay inside it)."""
         config = self.config
-        J = config.num_steps
+        J, ahead = config.num_steps, config.lookahead
         need = 1
         for slot in self.slots:
             if slot is None:
                 continue
             r = slot.request
-            budget_end = len(r.prompt) + r.max_tokens + J + 2
+            budget_end = len(r.prompt) + r.max_tokens + ahead + 1
             if slot.next_chunk is not None:
-                need = max(need, len(r.prompt) + J + 2)
+                need = max(need, len(r.prompt) + ahead + 1)
             else:  # +1: a row prefilled in this step has its first token, not yet collected
                 end = len(r.prompt) + len(r.tokens) + 1
-                need = max(need, min(end + config.segment_cycles * (J + 1) + 1, budget_end))
+                need = max(need, min(end + (config.segment_cycles - 1) * (J + 1) + ahead + 1, budget_end))
         return need
 
     def _prefill_chunk(self, slot: int) -> None:

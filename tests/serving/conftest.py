@@ -42,3 +42,13 @@ def reference(pair):
         return run(tuple(prompt))[:max_tokens]
 
     return reference
+
+
+def warm_engine(pair, config):
+    """An `Engine` on the bundled pair with `config`, every program compiled (warm-up)."""
+    from jaxspec.serving.engine import Engine
+
+    target, drafter, tokenizer = pair
+    engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
+    engine.warmup(lambda _: None)
+    return engine

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
-from jaxspec.serving.engine import Engine, EngineConfig, QueueFull, Request
-from tests.serving.conftest import NUM_STEPS
+from jaxspec.serving.engine import EngineConfig, QueueFull, Request
+from tests.serving.conftest import NUM_STEPS, warm_engine
 
 # 2 slots, prefill chunks of 16 (most prompts take several), short segments; segments over the first 32 positions
 # while every busy row fits them (the short prompts and budgets), else all 128 (the test prompts have up to 27
@@ -28,10 +28,7 @@ CONFIG = EngineConfig(
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    target, drafter, tokenizer = pair
-    eng = Engine(target, drafter, CONFIG, stop_ids=tokenizer.stop_ids)
-    eng.warmup(lambda _: None)
-    return eng
+    return warm_engine(pair, CONFIG)
 
 
 def test_admission_eviction_and_batch_independent_greedy(engine, prompts, reference):
