@@ -7,9 +7,12 @@ in this thread. Rounds interleave the variants; the median tokens/s per (variant
 variant must produce the same tokens (asserted).
 
 Variants: "old": one context (every segment over all 512 positions) and the per-row program always (the engine
-before context buckets and the static-greedy program); "new": the defaults.
+before context buckets and the static-greedy program); "new": the defaults. With --tree STEPS:TOPK:TOKENS the
+variants are "new" and "tree": the defaults drafting that tree instead of the k = 4 chain (plain decoding has no
+tree, so the tree's k = 0 figures are "new"'s).
 
     python benchmarks/serve_engine.py --rounds 2        # writes benchmarks/results/serve_engine.json
+    python benchmarks/serve_engine.py --rounds 2 --tree 4:2:8 --output benchmarks/results/serve_engine_tree.json
 """
 
 from __future__ import annotations
@@ -50,8 +53,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--tree", help="also a tree variant: STEPS:TOPK:TOKENS (see `jaxspec tune --trees`)")
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/serve_engine.json"))
     args = p.parse_args()
+    if args.tree:
+        from jaxspec.profiling.cost_model import TreeShape
+
+        shape = TreeShape.parse(args.tree)
+        VARIANTS.pop("old")
+        VARIANTS["tree"] = dict(topk=shape.topk, num_draft_tokens=shape.num_draft_tokens, tree_steps=shape.num_steps)
     from jaxspec import bundled
     from jaxspec.serving.engine import Engine, EngineConfig
 
@@ -60,7 +70,11 @@ def main() -> None:
     engines, warmup = {}, {}
     for k in (4, 0):
         for name, options in VARIANTS.items():
-            config = EngineConfig(max_batch=8, max_context=512, num_steps=k, batch_buckets=(1, 8), **options)
+            if name == "tree" and not k:
+                continue
+            options = dict(options)
+            steps = options.pop("tree_steps", k)
+            config = EngineConfig(max_batch=8, max_context=512, num_steps=steps, batch_buckets=(1, 8), **options)
             engine = Engine(target, drafter if k else None, config, stop_ids=tokenizer.stop_ids)
             warmup[f"{name} k={k}"] = engine.warmup(lambda _: None)
             engines[(k, name)] = engine
@@ -69,12 +83,18 @@ def main() -> None:
         for c in (1, 8):
             for k in (4, 0):
                 for name in VARIANTS:
+                    if (k, name) not in engines:
+                        continue
                     rate, tokens = load(engines[(k, name)], prompts, c, args.max_tokens)
                     rates[(name, k, c)].append(rate)
                     assert outputs.setdefault((k, c), tokens) == tokens, f"{name} k={k} c={c}: different tokens"
     table = {}
     for name in VARIANTS:
-        m = {(k, c): float(np.median(rates[(name, k, c)])) for k in (4, 0) for c in (1, 8)}
+        m = {
+            (k, c): float(np.median(rates[(name if (k, name) in engines else "new", k, c)]))
+            for k in (4, 0)
+            for c in (1, 8)
+        }
         table[name] = {
             "tok_s": {f"k={k} c={c}": v for (k, c), v in m.items()},
             "speculative_c8_over_c1": m[(4, 8)] / m[(4, 1)],
@@ -83,7 +103,8 @@ def main() -> None:
         }
         print(name, json.dumps(table[name]))
     record = {
-        "command": f"python benchmarks/serve_engine.py --rounds {args.rounds} --max-tokens {args.max_tokens}",
+        "command": f"python benchmarks/serve_engine.py --rounds {args.rounds} --max-tokens {args.max_tokens}"
+        + (f" --tree {args.tree}" if args.tree else ""),
         "load_average": os.getloadavg(),
         "warmup_s": warmup,
         "variants": table,
