@@ -35,7 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tree_args(p)
     p.add_argument("--max-batch", type=int, default=8, help="slots: the batch of the compiled loop (%(default)s)")
     p.add_argument(
-        "--max-context", type=int, default=1024, help="positions per slot: prompt + max_tokens + k + 2 (%(default)s)"
+        "--max-context",
+        type=int,
+        default=1024,
+        help="positions per slot: prompt + max_tokens + k + 2, for a tree + its draft tokens + 1 (%(default)s)",
     )
     p.add_argument(
         "--batch-buckets",
