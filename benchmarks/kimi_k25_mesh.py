@@ -59,6 +59,8 @@ def main() -> None:
     mesh = make_mesh(args.mesh)
     target = Target.abstract(cfg, mesh=mesh, dtype=jnp.bfloat16)
     steps = {"decode_b1": (1, 1), "decode_b8": (8, 1), "verify_b1_t4": (1, 4)}
+    # Draft trees (issue 16): verify of T nodes under the ancestor mask, next to a chain verify of as many tokens.
+    steps |= {"verify_b1_t16": (1, 16), "tree_verify_b1_t16": (1, 16, "tree"), "tree_verify_b1_t64": (1, 64, "tree")}
     result = {
         "preset": args.preset,
         "mesh": dict(mesh.shape),
@@ -73,15 +75,16 @@ def main() -> None:
         "steps": {},
     }
     print(f"per-device parameters: {result['per_device_param_bytes'] / 1e9:.2f} GB")
-    for name, (batch, t) in steps.items():
+    for name, (batch, t, *tree) in steps.items():
         start = time.perf_counter()
-        compiled = target.compile_step(batch, t, args.cache_len)
+        compiled = target.compile_step(batch, t, args.cache_len, tree=bool(tree))
         seconds = time.perf_counter() - start
         census = inspect.collective_census(compiled)
         memory = inspect.memory_report(compiled)
         result["steps"][name] = {
             "batch": batch,
             "tokens": t,
+            "tree": bool(tree),
             "compile_seconds": round(seconds, 2),
             "memory": memory,
             "per_device_temp_bytes": memory.get("temp_bytes"),

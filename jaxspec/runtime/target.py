@@ -237,9 +237,10 @@ class Target:
             reshard(num_accepted_B, P(batch)),
         )
 
-    def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits"):
-        """AOT-compile one cached step (decode: tokens=1; verify: k+1) for abstract inputs; nothing is allocated
-        beyond what `params` already holds. Used by `jaxspec inspect` and the full-size benchmark."""
+    def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits", tree: bool = False):
+        """AOT-compile one cached step (decode: tokens=1; verify: k+1; with `tree`, verify of a draft tree of
+        `tokens` nodes under its ancestor mask) for abstract inputs; nothing is allocated beyond what `params` already
+        holds. Used by `jaxspec inspect` and the full-size benchmark."""
         cfg, mesh = self.config, self.mesh
         batch_sharding = NamedSharding(mesh, P(self.rules.batch, None))
         ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
@@ -248,8 +249,14 @@ class Target:
             self.dtype,
             sharding=NamedSharding(mesh, self.cache_spec()),
         )
-        step = jax.jit(lambda p, t, q, c: self.apply(p, t, q, c, head=head), donate_argnums=3)
-        return step.lower(self.params, ids, ids, cache).compile()
+        if not tree:
+            step = jax.jit(lambda p, t, q, c: self.apply(p, t, q, c, head=head), donate_argnums=3)
+            return step.lower(self.params, ids, ids, cache).compile()
+        mask = jax.ShapeDtypeStruct(
+            (batch, tokens, tokens), jnp.bool_, sharding=NamedSharding(mesh, P(self.rules.batch, None, None))
+        )
+        step = jax.jit(lambda p, t, q, c, m: self.apply(p, t, q, c, head=head, tree_mask_BTS=m), donate_argnums=3)
+        return step.lower(self.params, ids, ids, cache, mask).compile()
 
     # ------------------------------------------------------------------ user entry points
     def logits(self, token_ids) -> jax.Array:
