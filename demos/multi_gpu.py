@@ -15,9 +15,9 @@ Steps, each printed as it runs:
   3. convert the HF checkpoint to an Orbax checkpoint (`jaxspec-convert target`): streamed one layer at a time,
      resumable (rerun after an interruption), skipped when DST already holds a complete conversion;
   4. restore the target on the mesh (each device reads only its own slices) and load the EAGLE-3 drafter;
-  5. tune the draft depth: sweep k = 0..MAX_K on the prompts, time each phase, fit the cost model, write
-     DST/tune/tune.json and tune.png, and take the recommended k (`jaxspec tune`);
-  6. generate with that k and print the text and acceptance statistics.
+  5. tune the draft depth: sweep k = 0..MAX_K (and with --trees, draft trees) on the prompts, time each phase, fit
+     the cost model, write DST/tune/tune.json and tune.png, and take the recommendation (`jaxspec tune`);
+  6. generate with it and print the text and acceptance statistics.
 
 The same program runs on 8 GPUs, a TPU slice with 8 devices, or 8 simulated CPU devices. Several hosts need
 `sharding.mesh.init_distributed()` before step 2; that path is untested.
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tune-prompts", type=Path, help="text prompts for tuning, one per line (default: --prompt)")
     gen.add_argument("--max-k", type=int, help="sweep k = 0..MAX_K (default 6; 2 with --dry-run)")
     gen.add_argument("--num-steps", type=int, help="skip tuning and generate with this k")
+    gen.add_argument("--trees", help="also tune draft trees: STEPS:TOPK:TOKENS,... or 'default' (see jaxspec tune)")
     gen.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 128; 32 with --dry-run)")
     gen.add_argument("--cache-len", type=int, default=4096, help="--dry-run abstract: cache length (%(default)s)")
     return p
@@ -204,39 +205,52 @@ def restore(dst: Path, drafter_dir: Path, mesh, dtype):
     return target, drafter
 
 
-def choose_k(args, target, drafter, prompts: list[list[int]], out: Path, preset: dict) -> int:
-    """Step 5: sweep k and return the recommended depth (or --num-steps)."""
-    from jaxspec.profiling.tune import tune
+def choose_k(args, target, drafter, prompts: list[list[int]], out: Path, preset: dict) -> dict:
+    """Step 5: sweep k (and --trees) and return the recommended configuration (or --num-steps): generate's
+    num_steps, topk and num_draft_tokens."""
+    from jaxspec.profiling.tune import parse_trees, tune
 
     if args.num_steps is not None:
         step(5, f"tuning skipped: --num-steps {args.num_steps}")
-        return args.num_steps
-    step(5, f"tune k = 0..{args.max_k} on {len(prompts)} prompt(s), {args.max_new_tokens} new tokens each")
+        return {"num_steps": args.num_steps}
+    trees = parse_trees(args.trees) if args.trees else []
+    also = f" and {len(trees)} tree shape(s)" if trees else ""
+    step(5, f"tune k = 0..{args.max_k}{also} on {len(prompts)} prompt(s), {args.max_new_tokens} new tokens each")
     report = tune(
         target,
         drafter,
         prompts,
         range(0, args.max_k + 1),
+        trees=trees,
         max_new_tokens=args.max_new_tokens,
         output_dir=out,
         collective_preset=preset,
         repeats=1 if args.dry_run else 3,
     )
-    rows = {r["k"]: r for r in report["rows"]}
-    k = report["recommended_k"]
+    rows = report["rows"] + report["tree_rows"]
+    best = max(rows, key=lambda r: r["predicted_tok_s"])
+    plain = next(r for r in rows if r.get("k") == 0)["measured_tok_s"]
     print(
-        f"recommended k = {k}: measured {rows[k]['measured_tok_s']:.1f} tok/s vs {rows[0]['measured_tok_s']:.1f} "
-        f"plain ({rows[k]['measured_tok_s'] / rows[0]['measured_tok_s']:.2f}x); wrote {out}/tune.json, tune.png"
+        f"recommended {report['recommended']['label']}: measured {best['measured_tok_s']:.1f} tok/s vs {plain:.1f} "
+        f"plain ({best['measured_tok_s'] / plain:.2f}x); wrote {out}/tune.json, tune.png"
     )
-    return k
+    return {key: report["recommended"][key] for key in ("num_steps", "topk", "num_draft_tokens")}
 
 
-def generate_text(args, target, drafter, prompts: list[list[int]], tokenizer, k: int) -> None:
-    """Step 6: generate with the chosen k and print the text and acceptance statistics."""
+def generate_text(args, target, drafter, prompts: list[list[int]], tokenizer, config: dict) -> None:
+    """Step 6: generate with the chosen configuration and print the text and acceptance statistics."""
     from jaxspec import generate
 
-    step(6, f"generate with k = {k}")
+    k = config["num_steps"]
+    tree = config.get("topk", 1) > 1
+    step(
+        6,
+        f"generate with k = {k}"
+        + (f", topk {config['topk']}, {config['num_draft_tokens']} draft tokens" if tree else ""),
+    )
     kwargs = dict(tokenizer=tokenizer, max_new_tokens=args.max_new_tokens, num_steps=k)
+    if tree:
+        kwargs |= dict(topk=config["topk"], num_draft_tokens=config["num_draft_tokens"])
     generate(target, drafter if k else None, prompts, **kwargs)  # compile (shapes are bucketed)
     result = generate(target, drafter if k else None, prompts, **kwargs)
     for i, text in enumerate(result.text):
@@ -247,11 +261,12 @@ def generate_text(args, target, drafter, prompts: list[list[int]], tokenizer, k:
         f"tok/s, {s['compiles']} compile(s)); mean accepted length {s['mean_accepted_length']:.2f}"
     )
     for j, (r, a) in enumerate(zip(s["reached"], s["accepted"], strict=True), start=1):
-        print(f"  draft position {j}: reached {r}, accepted {a} ({a / max(r, 1):.0%})")
+        print(f"  draft {'depth' if tree else 'position'} {j}: reached {r}, accepted {a} ({a / max(r, 1):.0%})")
 
 
 def run_abstract(args, preset: dict) -> int:
-    """--dry-run abstract: the real config on the mesh with abstract weights; compile decode and verify steps."""
+    """--dry-run abstract: the real config on the mesh with abstract weights; compile decode, verify and tree verify
+    steps."""
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target
@@ -264,10 +279,11 @@ def run_abstract(args, preset: dict) -> int:
     step(3, "convert, restore: skipped (abstract weights: shapes, dtypes and shardings only)")
     target = Target.abstract(cfg, mesh=mesh, dtype=dtype)
     k = args.num_steps if args.num_steps is not None else 3
-    for n, (name, tokens) in enumerate((("decode", 1), (f"verify k={k}", k + 1)), start=4):
+    steps = (("decode", 1, False), (f"verify k={k}", k + 1, False), ("tree verify (16 nodes)", 16, True))
+    for n, (name, tokens, tree) in enumerate(steps, start=4):
         step(n, f"compile one {name} step: batch 1, {tokens} token(s), cache {args.cache_len}")
         start = time.perf_counter()
-        compiled = target.compile_step(1, tokens, args.cache_len)
+        compiled = target.compile_step(1, tokens, args.cache_len, tree=tree)
         print(f"compiled in {time.perf_counter() - start:.1f}s (preset {preset['name']!r})")
         print(inspect.format_report(inspect.collective_census(compiled), inspect.memory_report(compiled)))
     return 0
@@ -318,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         plan(KimiConfig.from_pretrained(args.src), mesh, dtype)
         convert(args.src, args.dst, dtype_name, args.verify)
         target, drafter = restore(args.dst, args.drafter, mesh, dtype)
-        k = choose_k(args, target, drafter, tune_prompts, args.dst / "tune", preset)
+        config = choose_k(args, target, drafter, tune_prompts, args.dst / "tune", preset)
         if prompts:
-            generate_text(args, target, drafter, prompts, tokenizer, k)
+            generate_text(args, target, drafter, prompts, tokenizer, config)
     finally:
         if tmp is not None:
             tmp.cleanup()

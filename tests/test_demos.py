@@ -70,12 +70,14 @@ def _dry_run(*flags: str, timeout: int) -> str:
 
 @pytest.mark.timeout(600)
 def test_multi_gpu_dry_run_on_the_bundled_pair(tmp_path):
-    out = _dry_run("pair", "--max-k", "1", "--max-new-tokens", "24", "--dst", str(tmp_path / "converted"), timeout=540)
+    flags = ("--max-k", "1", "--trees", "2:2:4", "--max-new-tokens", "40", "--dst", str(tmp_path / "converted"))
+    out = _dry_run("pair", *flags, timeout=540)
     for n in range(1, 7):
         assert f"\n[{n}] " in out, f"step {n} missing:\n{out}"
     assert "platform cpu: 8 device(s)" in out and "collective preset 'cpu-sim'" in out
     assert "restore the target on mesh {'data': 1, 'model': 8}" in out
-    assert "recommended k = " in out and "mean accepted length" in out
+    assert "and 1 tree shape(s)" in out and re.search(r"recommended (k=\d|2x2/4): measured", out), out
+    assert "mean accepted length" in out
     assert (tmp_path / "converted" / "jaxspec_checkpoint.json").is_file()  # the conversion completed
     assert (tmp_path / "converted" / "tune" / "tune.json").is_file()
 
@@ -86,8 +88,9 @@ def test_multi_gpu_dry_run_with_abstract_kimi_k25():
     assert "plan: 61 layers, 384 experts on mesh {'data': 1, 'model': 8}" in out
     assert "parameters per device: 70.95 GiB (INT4 experts: True)" in out
     assert "compile one decode step" in out and "compile one verify k=3 step" in out
-    # Two all-reduces per layer plus the vocab-split embedding: nothing else, for decode and verify alike.
-    assert len(re.findall(r"^all-reduce\s+\d+\s+123\s", out, flags=re.M)) == 2, out
+    assert "compile one tree verify (16 nodes) step" in out
+    # Two all-reduces per layer plus the vocab-split embedding: nothing else, for decode, verify and tree verify alike.
+    assert len(re.findall(r"^all-reduce\s+\d+\s+123\s", out, flags=re.M)) == 3, out
 
 
 def test_multi_gpu_needs_a_checkpoint_or_dry_run():
