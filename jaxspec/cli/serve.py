@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.model, mesh=make_mesh(args.mesh) if args.mesh else None, dtype=dtype)
     drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    metrics = Metrics(num_steps, config.max_batch)
+    metrics = Metrics(num_steps, config.max_batch, topk=config.topk, verify_tokens=config.verify_tokens)
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics)
     engine.warmup(log.info)
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)

@@ -30,7 +30,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class Metrics:
     """The server's metrics; `render()` is the /metrics body."""
 
-    def __init__(self, num_steps: int, slots: int, *, window: float = 10.0):
+    def __init__(
+        self, num_steps: int, slots: int, *, topk: int = 1, verify_tokens: int | None = None, window: float = 10.0
+    ):
+        """`num_steps`: draft tokens per cycle (a tree's depth); `topk` > 1: tree drafts verifying `verify_tokens`
+        nodes (default num_steps + 1, a chain's verify)."""
         self.registry = r = CollectorRegistry()
         self.window = window
         self.tokens = Counter("jaxspec_generated_tokens", "Tokens generated and handed to clients", registry=r)
@@ -39,8 +43,12 @@ class Metrics:
         )
         self.cycles = Counter("jaxspec_cycles", "Draft-verify cycles run", registry=r)
         self.row_cycles = Counter("jaxspec_row_cycles", "Cycles x rows generating in them", registry=r)
-        self.reached = Counter("jaxspec_draft_reached", "Draft position verified", ["position"], registry=r)
-        self.accepted = Counter("jaxspec_draft_accepted", "Draft position accepted", ["position"], registry=r)
+        self.reached = Counter(
+            "jaxspec_draft_reached", "Draft position (a tree's depth) verified", ["position"], registry=r
+        )
+        self.accepted = Counter(
+            "jaxspec_draft_accepted", "Draft position (a tree's depth) accepted", ["position"], registry=r
+        )
         self.rate = Gauge("jaxspec_draft_acceptance_rate", "accepted / reached", ["position"], registry=r)
         self.mean_accepted_length = Gauge(
             "jaxspec_mean_accepted_length", "Tokens per generating row per cycle (accepted drafts + bonus)", registry=r
@@ -48,7 +56,12 @@ class Metrics:
         self.queue_depth = Gauge("jaxspec_queue_depth", "Requests waiting for a slot", registry=r)
         self.occupancy = Gauge("jaxspec_batch_occupancy", "Slots holding a request", registry=r)
         Gauge("jaxspec_slots", "Slots (the compiled batch)", registry=r).set(slots)
-        Gauge("jaxspec_num_steps", "Draft tokens per cycle (k)", registry=r).set(num_steps)
+        Gauge("jaxspec_num_steps", "Draft tokens per cycle (k; a tree's depth)", registry=r).set(num_steps)
+        Gauge("jaxspec_topk", "Children per frontier node (1 = chain drafts)", registry=r).set(topk)
+        verify = verify_tokens if verify_tokens is not None else num_steps + 1
+        Gauge("jaxspec_verify_tokens", "Tokens one verify step takes (chain: k+1; tree: its nodes)", registry=r).set(
+            verify
+        )
         self.ttft = Histogram(
             "jaxspec_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
         )

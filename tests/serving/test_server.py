@@ -181,6 +181,9 @@ def test_full_queue_answers_429_and_the_rest_complete(client, server):
     assert all(r.choices[0].finish_reason for r in results if not isinstance(r, Exception))
     out = client.completions.create(model=MODEL, prompt="def f():", max_tokens=3, temperature=0)
     assert out.choices[0].text and metric(base, "jaxspec_queue_depth") == 0
+    # The draft settings the server runs (a chain of NUM_STEPS; `jaxspec serve --topk` would set a tree's).
+    assert (metric(base, "jaxspec_num_steps"), metric(base, "jaxspec_topk")) == (NUM_STEPS, 1)
+    assert metric(base, "jaxspec_verify_tokens") == NUM_STEPS + 1
 
 
 def test_sigterm_drains_the_running_stream(server):
