@@ -124,19 +124,32 @@ def test_sixteen_concurrent_mixed_requests(client, pair, prompts, reference):
 
 def test_disconnect_mid_stream_frees_the_slot(server):
     _, base, _ = server
-    cancelled = metric(base, "jaxspec_requests_total", '{finish_reason="cancelled"}')
+    count = lambda reason: metric(base, "jaxspec_requests_total", f'{{finish_reason="{reason}"}}')  # noqa: E731
+    cancelled, finished = count("cancelled"), count("length") + count("stop")
     # Greedy from [5, 6, 7] runs past 1000 tokens without eos: seconds of decoding, so the slot is still held
     # when the occupancy is read after the first token (200 tokens finished first once decoding got faster).
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": CONTEXT - 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
-        next(response.iter_lines())  # the first token arrived: the request holds a slot
-        assert metric(base, "jaxspec_batch_occupancy") == 1
-    deadline = time.monotonic() + 30
-    while metric(base, "jaxspec_batch_occupancy") != 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert metric(base, "jaxspec_batch_occupancy") == 0
-    assert metric(base, "jaxspec_requests_total", '{finish_reason="cancelled"}') == cancelled + 1
+        # Keep the line iterator alive until the disconnect below: a dropped httpx line iterator is closed at once,
+        # and closing it closes the connection (which made this check race the server's disconnect handling).
+        lines = response.iter_lines()
+        next(lines)  # the first token arrived: the request holds a slot
+        held = _poll(lambda: metric(base, "jaxspec_batch_occupancy") == 1, seconds=5)
+        running = (count("cancelled"), count("length") + count("stop")) == (cancelled, finished)
+        assert held and running, f"slot not held mid-stream: {httpx.get(f'{base}/metrics').text[-1500:]}"
+    assert _poll(lambda: metric(base, "jaxspec_batch_occupancy") == 0, seconds=30)
+    assert count("cancelled") == cancelled + 1 and count("length") + count("stop") == finished
+
+
+def _poll(condition, *, seconds: float) -> bool:
+    """True as soon as `condition()` holds, False if it still does not after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 @pytest.mark.parametrize(
