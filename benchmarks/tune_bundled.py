@@ -23,10 +23,11 @@ RECOMMENDED_WITHIN = 0.03
 
 def verdict(report: dict) -> list[str]:
     """The criteria a tuning report misses (empty when it meets them all)."""
+    from jaxspec.profiling.tune import row_label
+
     rows = report["rows"] + report.get("tree_rows", [])
-    name = lambda r: r["tree"] if "tree" in r else f"k={r['k']}"  # noqa: E731
     misses = [
-        f"{name(r)}: predicted {r['predicted_tok_s']:.1f} vs measured {r['measured_tok_s']:.1f} tok/s "
+        f"{row_label(r)}: predicted {r['predicted_tok_s']:.1f} vs measured {r['measured_tok_s']:.1f} tok/s "
         f"({r['gap']:+.1%}, over {MAX_GAP:.0%})"
         for r in rows
         if abs(r["gap"]) > MAX_GAP
@@ -35,8 +36,8 @@ def verdict(report: dict) -> list[str]:
     rec = max(rows, key=lambda r: r["predicted_tok_s"])  # the recommendation
     if rec["measured_tok_s"] < (1 - RECOMMENDED_WITHIN) * best["measured_tok_s"]:
         misses.append(
-            f"recommended {name(rec)} measured {rec['measured_tok_s']:.1f} tok/s, more than "
-            f"{RECOMMENDED_WITHIN:.0%} below the measured best {name(best)} ({best['measured_tok_s']:.1f})"
+            f"recommended {row_label(rec)} measured {rec['measured_tok_s']:.1f} tok/s, more than "
+            f"{RECOMMENDED_WITHIN:.0%} below the measured best {row_label(best)} ({best['measured_tok_s']:.1f})"
         )
     return misses
 

@@ -200,6 +200,11 @@ def label(k: Config) -> str:
     return f"tree {k.label}" if isinstance(k, TreeShape) else f"k={k}"
 
 
+def row_label(row: dict[str, Any]) -> str:
+    """`label` of a report row (chains have "k", trees "tree")."""
+    return f"tree {row['tree']}" if "tree" in row else f"k={row['k']}"
+
+
 def _phase(chunks: Sequence[Chunk], name: str) -> float:
     """Mean seconds of one phase over the chunks (the measured side is a mean over the same chunks too)."""
     return float(np.mean([c.phases[name] for c in chunks]))
@@ -508,8 +513,7 @@ def format_table(report: dict[str, Any]) -> str:
     if "acceptance" in report:
         rates = ", ".join("-" if a is None else f"{a:.2f}" for a in report["acceptance"]["rate"])
         lines.append(f"acceptance by position: [{rates}]")
-    name = lambda r: f"tree {r['tree']}" if "tree" in r else f"k={r['k']}"  # noqa: E731
-    lines += [f"{name(r)}: {r['gap_explanation']}" for r in rows if r["gap_explanation"]]
+    lines += [f"{row_label(r)}: {r['gap_explanation']}" for r in rows if r["gap_explanation"]]
     return "\n".join(lines)
 
 

@@ -178,6 +178,10 @@ class Engine:
         tree = dict(topk=config.topk, num_draft_tokens=config.verify_tokens if config.tree else 0)
         self.loop_cfg = LoopConfig(config.num_steps, None, self.stop_ids, chunk, chunk, **tree)
         self.greedy_cfg = dataclasses.replace(self.loop_cfg, sampling=Sampling())
+        # Chains only: the static-greedy program leaves a placeholder in greedy rows' draft_q_BV, which a per-row
+        # segment must replace first (`_fix_greedy_q`). Trees keep the root's logits there (tree acceptance reads
+        # only the target), so there is nothing to fix.
+        self._greedy_leaves_q = bool(config.num_steps) and not config.tree
         self._q_stale = False  # greedy segments left greedy rows' draft_q as the greedy program's placeholder
         self._admit = jax.jit(_admit, donate_argnums=0)
         self._finish = jax.jit(lambda done_B, slot: done_B.at[slot].set(True), donate_argnums=0)
@@ -302,7 +306,7 @@ class Engine:
                 f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(programs)} programs compiled "
                 f"({time.perf_counter() - start:.1f}s)"
             )
-        if cfg.greedy_program and cfg.num_steps and not cfg.tree:
+        if cfg.greedy_program and self._greedy_leaves_q:
             self.state = _fix_greedy_q(self.state)  # harmless on any state: greedy rows keep their point mass
         self.run_until_idle()
         second = Request([1] * 3, 8)
@@ -393,9 +397,7 @@ class Engine:
         s = next(s for s in config.contexts if s >= positions)
         program = program or self._program()
         if program is self.greedy_cfg:
-            # Chains: greedy segments leave a placeholder draft distribution. Trees keep the root's logits (tree
-            # acceptance reads only the target), so there is nothing to fix.
-            self._q_stale = config.num_steps > 0 and not config.tree
+            self._q_stale = self._greedy_leaves_q
         elif self._q_stale:
             self.state = _fix_greedy_q(self.state)
             self._q_stale = False
