@@ -1,85 +1,56 @@
 """The OpenAI-compatible HTTP API over an `Engine`: /v1/completions, /v1/chat/completions (both with `stream`),
-/v1/models, /health and /metrics.
+/v1/models (and /v1/models/{id}), /tokenize and /detokenize (vLLM's shapes), /version, /health and /metrics; HEAD
+wherever GET works. The request bodies are in `protocol.py`; the text of a choice is built in `text.py`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, unknown fields,
-out-of-range parameters and prompts that do not fit the context; 404 for another model name; 429 when the admission
-queue is full. Text stop sequences (`stop`) are matched here on the decoded text (the engine stops on token ids):
-the text is cut before the match and the request's slot is freed at once. A client that disconnects cancels its
-request, which frees its slot.
+out-of-range parameters, fields this server does not implement (named) and prompts that do not fit the context; 404
+for another model name; 429 when the admission queue is full. Text stop sequences (`stop`) are matched here on the
+decoded text (the engine stops on token ids): the text is cut before the match and the request's slot is freed at
+once. A client that disconnects cancels its requests, which frees their slots.
+
+One HTTP request becomes one engine request per choice: a list of prompts gives one choice per prompt, `n` gives n
+choices per prompt (index = prompt * n + j), each with its own seed derived from the request's `seed`
+(`derive_seed`). `ignore_eos` continues a choice that stopped at the model's eos by submitting prompt + output so
+far for the rest of its budget (a re-prefill; the engine's compiled loop always stops at the model's eos).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.serving.engine import MAX_STOP_IDS, Engine, QueueFull
+from jaxspec.serving.engine import Engine, QueueFull
 from jaxspec.serving.engine import Request as EngineRequest
+from jaxspec.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FieldError,
+    GenerateParams,
+    Message,
+    TokenizeRequest,
+)
+from jaxspec.serving.text import ChoiceText
 from jaxspec.tokenizer import ChatTemplateError
 
 log = logging.getLogger("jaxspec.serving")
-MAX_STOP_STRINGS = 4  # as OpenAI
-
-
-class _Params(BaseModel):
-    """Fields both endpoints take. Unknown fields are rejected; OpenAI fields this server does not implement are
-    accepted only at their neutral value (n = 1, no logprobs, no penalties)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension (as vLLM): 0 = off
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = Field(None, validate_default=True)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_IDS)  # extension (as vLLM)
-    stream: bool = False
-    stream_options: dict[Literal["include_usage"], bool] | None = None
-    n: Literal[1] = 1
-    user: str | None = None
-    logprobs: Literal[None, False] = None
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"expected at most {MAX_STOP_STRINGS} non-empty strings")
-        return stops
-
-
-class CompletionRequest(_Params):
-    prompt: str | list[int] = Field(min_length=1)
-    echo: Literal[False] = False
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
-
-
-class ChatRequest(_Params):
-    messages: list[Message] = Field(min_length=1)
+GET = ["GET", "HEAD"]
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -121,36 +92,92 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str =
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)
     app.state.engine, app.state.chat_format = engine, chat_format
-
     _add_error_handlers(app)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxspec"}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(engine.metrics.render() if engine.metrics else b"", media_type=CONTENT_TYPE_LATEST)
+    _add_info_routes(app, engine, tokenizer, model_name, chat_format)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if isinstance(body.prompt, str):
-            prompt = tokenizer.encode(body.prompt)
-        else:
-            prompt = body.prompt
-        return await _serve(engine, tokenizer, model_name, body, prompt, request, chat=False)
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        return await _serve(engine, tokenizer, model_name, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        messages = [m.model_dump(exclude_none=True, exclude={"name"}) for m in body.messages]
-        prompt = tokenizer.encode(_render_chat(tokenizer, messages, chat_format))
-        return await _serve(engine, tokenizer, model_name, body, prompt, request, chat=True)
+        prompt = tokenizer.encode(_render_chat(tokenizer, _messages(body.messages), chat_format))
+        return await _serve(engine, tokenizer, model_name, body, [prompt], request, chat=True)
 
     return app
+
+
+def _add_info_routes(app: FastAPI, engine: Engine, tokenizer, model_name: str, chat_format: str) -> None:
+    """/health, /metrics, /version, /v1/models[/{id}] (GET and HEAD), /tokenize and /detokenize (vLLM's shapes)."""
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "jaxspec"}
+    card["max_model_len"] = engine.config.max_context  # as vLLM: positions per request (prompt + output + drafts)
+
+    @app.api_route("/health", methods=GET)
+    async def health():
+        return {"status": "ok"}
+
+    @app.api_route("/metrics", methods=GET)
+    async def metrics():
+        return Response(engine.metrics.render() if engine.metrics else b"", media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/version", methods=GET)
+    async def version():
+        return {"version": importlib.metadata.version("jaxspec")}
+
+    @app.api_route("/v1/models", methods=GET)
+    async def models():
+        return {"object": "list", "data": [card]}
+
+    @app.api_route("/v1/models/{model_id:path}", methods=GET)
+    async def model(model_id: str):
+        _check_model(model_id, model_name)
+        return card
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(body.model, model_name)
+        if (body.prompt is None) == (body.messages is None):
+            raise _BadRequest("tokenize: expected exactly one of prompt and messages", "prompt")
+        if body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt)
+        else:
+            tokens = tokenizer.encode(_render_chat(tokenizer, _messages(body.messages), chat_format))
+        strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": engine.config.max_context, "tokens": tokens, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model, model_name)
+        _check_ids(body.tokens, engine.target.vocab_size, "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def _check_model(requested: str | None, model_name: str) -> None:
+    """404 (OpenAI's model_not_found) for a model this server does not serve; None (optional fields) passes."""
+    if requested is not None and requested != model_name:
+        raise _BadRequest(
+            f"model {requested!r} does not exist; this server serves {model_name!r}",
+            "model",
+            "model_not_found",
+            status=404,
+        )
+
+
+def _check_ids(ids: list[int], vocab: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise _BadRequest(f"{param}: token ids must be in [0, {vocab}); got {bad[:5]}", param)
+
+
+def _messages(messages: list[Message]) -> list[dict[str, str]]:
+    """The messages as {role, content} text (`developer` is OpenAI's newer name for `system`)."""
+    try:
+        texts = [m.text(f"messages.{i}") for i, m in enumerate(messages)]
+    except FieldError as e:
+        raise _BadRequest(str(e), e.param) from None
+    roles = ["system" if m.role == "developer" else m.role for m in messages]
+    return [{"role": r, "content": t} for r, t in zip(roles, texts, strict=True)]
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -201,165 +228,224 @@ def _render_chat(tokenizer, messages: list[dict[str, str]], chat_format: str) ->
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
-def _engine_request(engine: Engine, body: _Params, prompt: list[int], chat: bool) -> EngineRequest:
-    vocab = engine.target.vocab_size
-    bad = [t for t in (*prompt, *body.stop_token_ids) if not 0 <= t < vocab]
-    if bad:
-        raise _BadRequest(f"token ids must be in [0, {vocab}); got {bad[:5]}", "prompt")
-    cfg = engine.config
-    room = cfg.max_context - len(prompt) - cfg.lookahead - 1
-    max_tokens = body.max_tokens if body.max_tokens is not None else (max(room, 1) if chat else min(16, max(room, 1)))
-    problem = engine.check(len(prompt), max_tokens)
-    if problem:
-        raise _BadRequest(problem, "max_tokens" if room > 0 else "prompt", "context_length_exceeded")
-    sampling = Sampling(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p)
-    seed = None if body.seed is None else body.seed % 2**32
-    return EngineRequest(list(prompt), max_tokens, sampling, seed, tuple(body.stop_token_ids))
+def derive_seed(seed: int, *path: int) -> int:
+    """The 32-bit engine seed at `path` below a request's `seed` (choice j, continuation part p); the all-zero path
+    is the seed itself, so choice 0 of n samples what the same request with n = 1 does."""
+    if not any(path):
+        return seed % 2**32
+    digest = hashlib.blake2b("/".join(map(str, (seed, *path))).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
-class _Output:
-    """The text of a request as its tokens arrive: stop ids left out, cut at a stop string, deltas held back while
-    they could still be the start of a stop string or of a multi-byte character."""
+@dataclasses.dataclass(eq=False)
+class _Choice:
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    seed: int | None  # None: the engine draws one
+    text: ChoiceText
+    request: EngineRequest | None = None  # the engine request running now
+    parts: int = 0  # engine requests submitted for it (more than one only with ignore_eos)
+    reason: str | None = None  # finish reason, once finished
 
-    def __init__(self, tokenizer, stop_ids: set[int], stops: list[str]):
-        self.tokenizer, self.stop_ids, self.stops = tokenizer, stop_ids, stops
-        self.tokens: list[int] = []
-        self.sent = 0  # characters handed out
-        self.text = ""
-        self.stopped = False  # a stop string matched
 
-    def push(self, new: list[int], final: bool) -> str:
-        self.tokens.extend(new)
-        ids = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.stop_ids else self.tokens
-        text = self.tokenizer.decode(ids)
-        hits = [at for at in (text.find(s) for s in self.stops) if at >= 0]
-        if hits:
-            text, self.stopped = text[: min(hits)], True
-        hold = 0
-        if not self.stopped and not final:
-            hold = max([len(s) - 1 for s in self.stops] + [0])
-            if text.endswith("\ufffd"):
-                hold = max(hold, 1)
-        self.text = text
-        end = max(len(text) - hold, self.sent)
-        delta, self.sent = text[self.sent : end], end
+def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool) -> list[_Choice]:
+    """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context."""
+    cfg, vocab = engine.config, engine.target.vocab_size
+    refused = body.refusal()
+    if refused:
+        raise _BadRequest(refused[1], refused[0])
+    if body.n > cfg.max_batch:
+        raise _BadRequest(f"n: expected at most {cfg.max_batch} (the server's slots), got {body.n}", "n")
+    if len(prompts) * body.n > cfg.max_batch + cfg.max_queue:
+        raise _BadRequest(
+            f"prompt: {len(prompts)} prompts x n = {body.n} exceed the server's {cfg.max_batch} slots + "
+            f"{cfg.max_queue} queue places",
+            "prompt",
+        )
+    _check_ids(body.stop_token_ids, vocab, "stop_token_ids")
+    budget = body.budget if chat else body.max_tokens
+    budget_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+    stop_ids = set(engine.stop_ids) | set(body.stop_token_ids)
+    choices = []
+    for i, prompt in enumerate(prompts):
+        where = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        if not prompt:
+            raise _BadRequest(f"{where}: expected a non-empty prompt", where)
+        _check_ids(prompt, vocab, where)
+        room = cfg.max_context - len(prompt) - cfg.lookahead - 1
+        max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
+        problem = engine.check(len(prompt), max_tokens)
+        if problem:
+            param = budget_param if room > 0 else where
+            raise _BadRequest(f"{param}: {problem}", param, "context_length_exceeded")
+        for j in range(body.n):
+            seed = None if body.seed is None else derive_seed(body.seed, j)
+            text = ChoiceText(tokenizer, stop_ids, body.stop)
+            choices.append(_Choice(len(choices), list(prompt), max_tokens, seed, text))
+    return choices
+
+
+class _Run:
+    """The engine requests of one HTTP request and their updates (an asyncio queue fed from the engine thread)."""
+
+    def __init__(self, engine: Engine, body: GenerateParams, choices: list[_Choice]):
+        self.engine, self.body, self.choices = engine, body, choices
+        self.updates: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._eos = set(engine.stop_ids) - set(body.stop_token_ids)  # what ignore_eos generates past
+
+    def start(self) -> None:
+        try:
+            for c in self.choices:
+                self._submit(c)
+        except QueueFull as e:
+            self.cancel()
+            raise _BadRequest(str(e), status=429, code="queue_full") from None
+        except ValueError as e:
+            self.cancel()
+            raise _BadRequest(str(e), "prompt") from None
+
+    def _submit(self, c: _Choice) -> None:
+        done = c.text.tokens  # all it generated so far (a continuation starts only while no stop string matched)
+        b = self.body
+        seed = c.seed if c.seed is None else derive_seed(c.seed, 0, c.parts)
+        sampling = Sampling(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p)
+        r = EngineRequest(c.prompt + done, c.max_tokens - len(done), sampling, seed, tuple(b.stop_token_ids))
+        put = self.updates.put_nowait
+        r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
+        self.engine.submit(r)
+        c.request, c.parts = r, c.parts + 1
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if c.request is not None and not c.request.finished:
+                self.engine.cancel(c.request)
+
+    def apply(self, c: _Choice, r: EngineRequest, new: list[int], reason: str | None) -> str | None:
+        """Take one engine update of choice `c`; the text delta to send, or None for a stale update."""
+        if r is not c.request or c.reason is not None:
+            return None  # from a part that a stop string ended, or after the choice finished
+        delta = c.text.push(new)
+        if c.text.stopped:
+            self.engine.cancel(r, "stop")  # frees the slot at once
+            c.reason = "stop"
+        elif reason is not None and not self._continue(c, reason):
+            delta += c.text.finish()
+            c.reason = reason
         return delta
 
+    def _continue(self, c: _Choice, reason: str) -> bool:
+        """With ignore_eos, submit the rest of a choice that stopped at the model's eos; False if it ends here."""
+        tokens = c.text.tokens
+        if not (self.body.ignore_eos and reason == "stop" and tokens and tokens[-1] in self._eos):
+            return False
+        left = c.max_tokens - len(tokens)
+        if left < 1 or self.engine.check(len(c.prompt) + len(tokens), left):
+            return False  # the budget is spent, or the prompt's prefill chunks would not fit: ends at the eos
+        try:
+            self._submit(c)
+        except QueueFull:
+            log.warning("ignore_eos: the queue is full; choice %d ends at the model's eos", c.index)
+            return False
+        return True
 
-def _submit(engine: Engine, model_name: str, body: _Params, prompt, chat: bool) -> tuple[EngineRequest, asyncio.Queue]:
-    """Queue the request with the engine; its updates arrive on the returned asyncio queue (from the engine thread)."""
-    if body.model != model_name:
-        raise _BadRequest(
-            f"model {body.model!r} does not exist; this server serves {model_name!r}",
-            "model",
-            "model_not_found",
-            status=404,
-        )
-    request = _engine_request(engine, body, prompt, chat)
-    loop = asyncio.get_running_loop()
-    updates: asyncio.Queue = asyncio.Queue()
-    request.on_update = lambda r, new: loop.call_soon_threadsafe(updates.put_nowait, (new, r.finish_reason))
-    try:
-        engine.submit(request)
-    except QueueFull as e:
-        raise _BadRequest(str(e), status=429, code="queue_full") from None
-    except ValueError as e:
-        raise _BadRequest(str(e), "prompt") from None
-    return request, updates
+    async def events(self, next_update: Callable) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice index, text delta, finish reason or None) until every choice has finished; cancels what is left
+        if abandoned."""
+        try:
+            left = len(self.choices)
+            while left:
+                i, r, new, reason = await next_update()
+                c = self.choices[i]
+                delta = self.apply(c, r, new, reason)
+                if delta is None or not (delta or c.reason):
+                    continue
+                yield i, delta, c.reason
+                left -= c.reason is not None
+                if c.reason == "error":
+                    return
+        finally:
+            self.cancel()
+
+    def usage(self, prompts: list[list[int]]) -> dict[str, int]:
+        done = sum(len(c.text.tokens) for c in self.choices)
+        prompt = sum(len(p) for p in prompts)  # each prompt once, whatever n is (as OpenAI)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-async def _serve(engine, tokenizer, model_name, body: _Params, prompt, http: Request, chat: bool):
-    request, updates = _submit(engine, model_name, body, prompt, chat)
-    output = _Output(tokenizer, set(engine.stop_ids) | set(body.stop_token_ids), body.stop)
+async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):
+    _check_model(body.model, model_name)
+    run = _Run(engine, body, _choices(engine, tokenizer, body, prompts, chat))
+    run.start()
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
 
     async def next_update():
         if body.stream:  # StreamingResponse itself cancels the stream when the client goes away
-            return await updates.get()
+            return await run.updates.get()
         while True:
             try:
-                return await asyncio.wait_for(updates.get(), timeout=0.5)
+                return await asyncio.wait_for(run.updates.get(), timeout=0.5)
             except TimeoutError:
                 if await http.is_disconnected():
                     raise _Disconnected from None
 
-    async def deltas() -> AsyncIterator[tuple[str, str | None]]:
-        """(text delta, finish reason or None) until the request finishes; cancels it if abandoned."""
-        try:
-            while True:
-                new, reason = await next_update()
-                delta = output.push(new, reason is not None)
-                if output.stopped and reason is None:
-                    engine.cancel(request, "stop")  # frees the slot; the engine's final update follows
-                    continue
-                yield delta, ("stop" if output.stopped else reason) if reason is not None else None
-                if reason is not None:
-                    return
-        finally:
-            if not request.finished:
-                engine.cancel(request)
-
-    usage = lambda: {  # noqa: E731
-        "prompt_tokens": len(prompt),
-        "completion_tokens": len(request.tokens),
-        "total_tokens": len(prompt) + len(request.tokens),
-    }
+    usage = lambda: run.usage(prompts)
+    header = dict(id=rid, created=created, model=model_name)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(
-            _sse(deltas(), rid, created, model_name, chat, usage, include_usage), media_type="text/event-stream"
-        )
-    reason = None
+        events = run.events(next_update)
+        sse = _sse(events, header, chat, len(run.choices), usage if include_usage else None)
+        return StreamingResponse(sse, media_type="text/event-stream")
     try:
-        async for _, finish in deltas():
-            reason = finish
+        async for _, _, reason in run.events(next_update):
+            if reason == "error":
+                return _error(500, "the engine failed while running this request", "server_error")
     except _Disconnected:
-        return Response(status_code=499)  # nobody reads it; the request is cancelled and its slot freed
-    if reason == "error":
-        return _error(500, "the engine failed while running this request", "server_error")
-    return _completion(rid, created, model_name, chat, output.text, reason, usage())
+        return Response(status_code=499)  # nobody reads it; the requests are cancelled and their slots freed
+    return _completion(header, chat, run.choices, usage())
 
 
-def _completion(rid: str, created: int, model_name: str, chat: bool, text: str, reason, usage) -> dict[str, Any]:
-    """The non-streaming response body (OpenAI's completion or chat.completion object)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+def _completion(header: dict, chat: bool, choices: list[_Choice], usage: dict) -> dict[str, Any]:
+    """The non-streaming response body (OpenAI's text_completion or chat.completion object)."""
+    out = []
+    for c in choices:
+        body: dict[str, Any] = {"index": c.index, "finish_reason": c.reason, "logprobs": None}
+        if chat:
+            body["message"] = {"role": "assistant", "content": c.text.text}
+        else:
+            body["text"] = c.text.text
+        out.append(body)
     kind = "chat.completion" if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice], "usage": usage}
+    return {**header, "object": kind, "choices": out, "usage": usage}
 
 
-async def _sse(deltas, rid, created, model_name, chat, usage, include_usage) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format; `usage` rides on the final chunk (and, with
-    stream_options.include_usage, also on an extra chunk with no choices, as OpenAI sends it)."""
+async def _sse(events, header: dict, chat: bool, count: int, usage: Callable | None) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format. With stream_options.include_usage (`usage` given), the usage
+    comes on one extra chunk with no choices after the last choice has finished, and nowhere else (as OpenAI)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra) -> str:
-        chunk = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, **extra}
-        return f"data: {json.dumps(chunk)}\n\n"
+        return f"data: {json.dumps({**header, 'object': kind, 'choices': choices, **extra})}\n\n"
 
-    def choice(text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+    def choice(i: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-        return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return {"index": i, "text": text or "", "finish_reason": reason, "logprobs": None}
 
     if chat:
-        yield event([choice(None, None, first=True)])
-    async for text, reason in deltas:
-        if reason is None:
-            if text:
-                yield event([choice(text, None)])
-            continue
+        for i in range(count):
+            yield event([choice(i, None, None, first=True)])
+    async for i, text, reason in events:
         if reason == "error":
             yield f"data: {json.dumps({'error': {'message': 'the engine failed', 'type': 'server_error'}})}\n\n"
             return
         if text:
-            yield event([choice(text, None)])
-        yield event([choice(None, reason)], usage=usage())
-        if include_usage:
-            yield event([], usage=usage())
+            yield event([choice(i, text, None)])
+        if reason is not None:
+            yield event([choice(i, None, reason)])
+    if usage is not None:
+        yield event([], usage=usage())
     yield "data: [DONE]\n\n"

@@ -1,0 +1,159 @@
+"""The request bodies the HTTP API takes (OpenAI's and vLLM's field names), validated with pydantic.
+
+Unknown fields are a 400 naming them. OpenAI fields this server does not implement are accepted only at their
+neutral value (`UNSUPPORTED`); any other value is a 400 that names the field and says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jaxspec.serving.engine import MAX_STOP_IDS
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+# field -> (its neutral values, why another value is refused)
+_NEEDS_LOOP = "needs per-token state in the device loop, which this server does not have yet"
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((None, False), f"token logprobs {_NEEDS_LOOP}"),
+    "top_logprobs": ((None, 0), f"token logprobs {_NEEDS_LOOP}"),
+    "echo": ((None, False), "echo (the prompt and its logprobs) is not supported"),
+    "min_tokens": ((None, 0), f"min_tokens (masking eos on the device) {_NEEDS_LOOP}"),
+    "presence_penalty": ((None, 0), "penalties are not supported"),
+    "frequency_penalty": ((None, 0), "penalties are not supported"),
+    "repetition_penalty": ((None, 1), "penalties are not supported"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "best_of": ((None, 1), "best_of is not supported (use n)"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "tools": ((None, []), "tool calling is not supported"),
+    "tool_choice": ((None, "none"), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "response_format": ((None, {"type": "text"}), "structured output (response_format) is not supported"),
+}
+
+
+class FieldError(ValueError):
+    """A field's value this server cannot serve; `param` names it as OpenAI's error body does."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class GenerateParams(BaseModel):
+    """Fields both endpoints take."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # extension (as vLLM): 0 = off
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_IDS)  # extension (as vLLM)
+    ignore_eos: bool = False  # extension (as vLLM): generate past the model's eos (request stop ids still stop)
+    stream: bool = False
+    stream_options: dict[Literal["include_usage"], bool] | None = None
+    n: int = Field(1, ge=1)  # at most the engine's slots (checked with the engine)
+    user: str | None = None
+    # Declared so that a neutral value passes and any other is refused by name (`refusal`).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    min_tokens: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"expected at most {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(field, message) for the first field set to a value this server does not implement, else None."""
+        for name, (neutral, why) in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            # bool is kept apart from int: `logprobs: 0` asks for the sampled token's logprob, `false` for none
+            if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+                return name, f"{name}: {why}; expected it unset or {neutral[-1]!r}, got {value!r}"
+        return None
+
+
+class CompletionRequest(GenerateParams):
+    # One prompt (text or token ids) or a list of them: one choice per prompt (times n), in order.
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (a bare string or token-id list is one prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self, where: str) -> str:
+        """The content as text; content parts must be `{"type": "text", "text": ...}` (`where` names the message
+        in errors)."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for i, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise FieldError(
+                    f"{where}.content.{i}",
+                    f"{where}.content.{i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                    f"got a part of type {kind!r}" + (" with extra keys" if kind == "text" else ""),
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatRequest(GenerateParams):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's current name; wins over max_tokens
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: bool | None = None  # meaningful only with tools
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a `prompt` (as /v1/completions encodes it) or chat `messages` (as /v1/chat/completions
+    renders them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
