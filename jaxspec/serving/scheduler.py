@@ -242,17 +242,19 @@ class Scheduler:
                 _notify(r, new)
         return StepReport(tuple(delivered), self._take_finished())
 
-    def abandon(self, reason: str) -> StepReport:
-        """Finish every queued and slotted request with `reason` (engine stop, or a failed step); the slots are free
-        and their rows are freed in the next plan."""
-        with self._lock:
-            queued, self._queue = list(self._queue), collections.deque()
+    def abandon(self, reason: str, *, queued: bool = True) -> StepReport:
+        """Finish every slotted request (and, with `queued`, every queued one) with `reason`: the engine stops, or a
+        step failed. The slots are free at once; their rows are freed in the next plan."""
+        waiting = []
+        if queued:
+            with self._lock:
+                waiting, self._queue = list(self._queue), collections.deque()
         for i, s in enumerate(self.slots):
             if s is not None:
                 self.slots[i] = None
                 self._free.append(i)
                 self._finish(s.request, reason)
-        for request in queued:
+        for request in waiting:
             self._finish(request, reason)
         return StepReport((), self._take_finished())
 

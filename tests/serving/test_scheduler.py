@@ -349,6 +349,13 @@ def test_abandon_finishes_everything_and_frees_the_rows_next_step():
     assert scheduler.slots == [None, None] and scheduler.queue_depth == 0 and scheduler.has_work
     plan, _ = step(scheduler, executor)
     assert plan.free == (0, 1) and not plan.busy and not scheduler.has_work
+    kept = Request([1] * 3, 4, seed=1)
+    scheduler.submit(running := Request([1] * 3, 30, seed=2))
+    step(scheduler, executor)
+    scheduler.submit(kept)
+    assert scheduler.abandon("error", queued=False).finished == (running,)  # a failed step: the queue stays
+    drain(scheduler, executor)
+    assert kept.tokens == expected(kept.prompt, 4, 1) and running.finish_reason == "error"
 
 
 def test_update_checks_the_result_belongs_to_the_last_plan():
