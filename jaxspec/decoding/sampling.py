@@ -1,4 +1,5 @@
-"""Temperature, top-k and top-p as pure, jittable functions on logits [..., V].
+"""Temperature, top-k and top-p as pure, jittable functions on logits [..., V] (the `Sampling` value they apply
+lives in sampling_params.py, plain Python, and is re-exported here).
 
 The target's p and the drafter's q both go through `warp` with the same `Sampling`: speculative sampling is lossless
 with respect to whatever distribution the target's logits are warped into, so the two must be warped identically.
@@ -6,39 +7,12 @@ with respect to whatever distribution the target's logits are warped into, so th
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen: temperature 0 is greedy; top_k = 0 and top_p = 1 turn those filters off.
-
-    Frozen and hashable, so it is a static argument of a jitted function (each setting compiles its own program).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        # `not x >= 0` also rejects NaN.
-        if not self.temperature >= 0:
-            raise ValueError(f"Sampling.temperature: expected >= 0 (0 = greedy), got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise ValueError(f"Sampling.top_k: expected an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"Sampling.top_p: expected a value in (0, 1] (1 = off), got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        """Temperature 0: argmax decoding (top-k / top-p are then irrelevant)."""
-        return self.temperature == 0
+from jaxspec.decoding.sampling_params import Sampling
 
 
 def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -1,0 +1,343 @@
+"""The serving scheduler: every decision of an engine step, in plain Python (no jax; an import contract says so).
+
+It owns the requests: the bounded queue, the slots (rows of the compiled batch), cancellations and admission limits.
+`schedule()` turns them into one `StepPlan` (plan.py) and `update(result)` hands the executor's `StepResult` to the
+requests. What it decides, in this order, for each step:
+1. cancellations: a cancelled request leaves the queue, or its slot (the row is freed in the plan), at once;
+2. admission: queued requests take the lowest free slots, in arrival order; each becomes a `RowAdmission` with its
+   seed (drawn here when the request has none: an executor never draws one);
+3. prefill: every slot still prefilling gets ONE chunk of its prompt, so a long prompt never stalls the others;
+4. the segment, when a row is generating: the smallest compiled row bucket covering every generating row, the
+   smallest context bucket covering what every occupied row can reach in it, and the program: static-greedy while
+   every occupied row is greedy (and the config allows it), else per-row;
+5. reads: every generating row's tokens past what its request holds.
+`update` delivers new tokens (`on_update(request, new_tokens)`), frees the slot of a finished row, and returns a
+`StepReport` (who got how many tokens, who finished) from which the engine keeps its metrics.
+
+The block table, the prefix index and the choice of draft shape per segment are decisions of the same kind: they go
+here, and their outcome into the plan.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.decoding.sampling_params import Sampling
+from jaxspec.serving.plan import MAX_STOP_IDS, PrefillChunk, RowAdmission, RowRead, Segment, StepPlan, StepResult
+
+log = logging.getLogger("jaxspec.serving")
+
+
+def random_seed() -> int:
+    """A seed for a request that brings none (32 bits, as the loop's keys take)."""
+    return secrets.randbits(32)
+
+
+class QueueFull(RuntimeError):
+    """The bounded admission queue is full (the HTTP layer answers 429)."""
+
+
+class SlotConfig(Protocol):
+    """The static shape the scheduler plans for (the engine's config): slots, positions, buckets, chunking."""
+
+    max_batch: int
+    max_context: int
+    prefill_chunk: int
+    segment_cycles: int
+    max_queue: int
+    greedy_program: bool
+
+    @property
+    def buckets(self) -> tuple[int, ...]: ...  # compiled segment row counts, ascending, the last = max_batch
+
+    @property
+    def contexts(self) -> tuple[int, ...]: ...  # compiled segment positions, ascending, the last = max_context
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request. The scheduler fills in the output fields and calls `on_update(request, new_tokens)`
+    from the engine's thread whenever tokens arrive and once more when the request finishes (finish_reason set)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int | None = None  # None: a random seed
+    stop_ids: tuple[int, ...] = ()  # extra stop token ids (the model's eos always stops)
+    on_update: Callable[[Request, list[int]], None] | None = None
+    # filled in by the scheduler
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    slot: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class Slot:
+    """A slot's request and its prefill progress."""
+
+    request: Request
+    next_chunk: int | None  # start of the next prefill chunk; None once prefill is done (the row is generating)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """`count` tokens handed to `request` at time `at`; `since`: when its previous tokens came (None: its first)."""
+
+    request: Request
+    count: int
+    since: float | None
+    at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one step did to the requests: tokens delivered, and requests finished (cancellations included)."""
+
+    delivered: tuple[Delivery, ...] = ()
+    finished: tuple[Request, ...] = ()
+
+
+class Scheduler:
+    """The queue, the slots and the plan of each step. `submit` and `cancel` are thread-safe; `schedule`, `update` and
+    `abandon` belong to the engine's thread. `seeds()` draws a seed for a request without one (default: secrets)."""
+
+    def __init__(
+        self,
+        config: SlotConfig,
+        draft: DraftShape,
+        *,
+        vocab_size: int,
+        stop_ids: tuple[int, ...] = (),
+        seeds: Callable[[], int] = random_seed,
+    ):
+        self.config, self.draft, self.vocab_size = config, draft, vocab_size
+        self.stop_ids = tuple(stop_ids)  # the model's (they stop every request)
+        self.seeds = seeds
+        self.slots: list[Slot | None] = [None] * config.max_batch
+        self.step = 0  # the last plan's step number
+        self._queue: collections.deque[Request] = collections.deque()
+        self._cancels: list[tuple[Request, str]] = []
+        self._free: list[int] = []  # rows to free in the next plan (abandoned slots)
+        self._finished: list[Request] = []  # finished since the last report
+        self._lock = threading.Condition()
+
+    # ------------------------------------------------------------------ public, thread-safe
+    def check(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request does not fit a slot (None if it does)."""
+        cfg, ahead = self.config, self.draft.lookahead
+        need = prompt_len + max_tokens + ahead + 1
+        chunked = -(-prompt_len // cfg.prefill_chunk) * cfg.prefill_chunk + 1
+        if max(need, chunked) > cfg.max_context:
+            return (
+                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} (+ {ahead + 1} for drafting) "
+                f"exceeds the context of {cfg.max_context} positions per slot"
+            )
+        return None
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (validated: prompt ids in the vocabulary, fits the context). Raises QueueFull."""
+        vocab = self.vocab_size
+        if not request.prompt or min(request.prompt) < 0 or max(request.prompt) >= vocab:
+            raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an integer >= 1, got {request.max_tokens!r}")
+        if len(request.stop_ids) > MAX_STOP_IDS or any(not 0 <= t < vocab for t in request.stop_ids):
+            raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
+        seed = request.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+            raise ValueError(f"seed: expected an integer in [0, 2**32), got {request.seed!r}")
+        problem = self.check(len(request.prompt), request.max_tokens)
+        if problem:
+            raise ValueError(problem)
+        with self._lock:
+            if len(self._queue) >= self.config.max_queue:
+                raise QueueFull(f"the queue holds {self.config.max_queue} waiting requests; retry later")
+            request.arrival = time.perf_counter()
+            self._queue.append(request)
+            self._lock.notify_all()
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """Finish `request` at the next `schedule()` (client gone, or a stop string seen by the caller)."""
+        with self._lock:
+            self._cancels.append((request, reason))
+            self._lock.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def occupancy(self) -> int:
+        """Slots holding a request (prefilling or generating)."""
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def has_work(self) -> bool:
+        """A step would do something: requests queued, cancellations pending, or slots held."""
+        return bool(self._queue or self._cancels or self._free) or self.occupancy > 0
+
+    def wait(self, stop: Callable[[], bool]) -> None:
+        """Block until there is work or `stop()` holds (call `wake()` after changing what `stop` reads)."""
+        with self._lock:
+            while not stop() and not self.has_work:
+                self._lock.wait()
+
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------------ the engine thread's
+    def schedule(self) -> StepPlan:
+        """Decide the next step (see the module docstring) and return its plan."""
+        free = self._apply_cancels()
+        admit = self._admit_queued()
+        prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is not None]
+        running = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is None]
+        prefill = tuple(self._prefill_chunk(i) for i in prefilling)
+        segment = self._segment(max(running) + 1) if running else None
+        read = tuple(
+            RowRead(i, len(s.request.prompt) + len(s.request.tokens))
+            for i, s in enumerate(self.slots)
+            if s is not None and s.next_chunk is None
+        )
+        self.step += 1
+        return StepPlan(self.step, free, admit, prefill, segment, read)
+
+    def update(self, result: StepResult) -> StepReport:
+        """Hand a step's new tokens to their requests; free the slots of finished ones."""
+        if result.step != self.step:
+            raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
+        now = time.perf_counter()
+        delivered = []
+        for row in result.rows:
+            slot = self.slots[row.row]
+            if slot is None or slot.next_chunk is not None:
+                raise ValueError(f"StepResult.rows: row {row.row} holds no generating request")
+            r, new = slot.request, list(row.tokens)
+            if new:
+                delivered.append(Delivery(r, len(new), r.last_token_at, now))
+                r.first_token_at = r.first_token_at or now
+                r.last_token_at = now
+                r.tokens.extend(new)
+            if row.done:
+                self.slots[row.row] = None
+                stopped = r.tokens and r.tokens[-1] in self.stop_ids + tuple(r.stop_ids)
+                self._finish(r, "stop" if stopped else "length", new)
+            elif new:
+                _notify(r, new)
+        return StepReport(tuple(delivered), self._take_finished())
+
+    def abandon(self, reason: str, *, queued: bool = True) -> StepReport:
+        """Finish every slotted request (and, with `queued`, every queued one) with `reason`: the engine stops, or a
+        step failed. The slots are free at once; their rows are freed in the next plan."""
+        waiting = []
+        if queued:
+            with self._lock:
+                waiting, self._queue = list(self._queue), collections.deque()
+        for i, s in enumerate(self.slots):
+            if s is not None:
+                self.slots[i] = None
+                self._free.append(i)
+                self._finish(s.request, reason)
+        for request in waiting:
+            self._finish(request, reason)
+        return StepReport((), self._take_finished())
+
+    # ------------------------------------------------------------------ internals
+    def _apply_cancels(self) -> tuple[int, ...]:
+        """Finish the cancelled requests; returns the rows to free (theirs and any abandoned ones)."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+            for request, _ in cancels:
+                if request in self._queue:
+                    self._queue.remove(request)
+        free, self._free = self._free, []
+        for request, reason in cancels:
+            if request.finished:
+                continue
+            if request.slot is not None:
+                self.slots[request.slot] = None
+                free.append(request.slot)
+            self._finish(request, reason)
+        return tuple(dict.fromkeys(free))
+
+    def _admit_queued(self) -> tuple[RowAdmission, ...]:
+        admitted = []
+        while None in self.slots:
+            with self._lock:
+                if not self._queue:
+                    break
+                request = self._queue.popleft()
+            row = self.slots.index(None)
+            seed = request.seed if request.seed is not None else self.seeds()
+            prompt, stop_ids = tuple(request.prompt), tuple(request.stop_ids)
+            admitted.append(RowAdmission(row, prompt, request.max_tokens, request.sampling, stop_ids, seed))
+            request.slot = row
+            self.slots[row] = Slot(request, 0)
+        return tuple(admitted)
+
+    def _prefill_chunk(self, row: int) -> PrefillChunk:
+        slot, C = self.slots[row], self.config.prefill_chunk
+        start = slot.next_chunk
+        slot.next_chunk = None if len(slot.request.prompt) - 1 < start + C else start + C
+        return PrefillChunk(row, start)
+
+    def _segment(self, rows: int) -> Segment:
+        """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, with the
+        static-greedy program while every occupied row is greedy (and the config allows it), else the per-row one."""
+        cfg = self.config
+        b = next(b for b in cfg.buckets if b >= rows)
+        s = next(s for s in cfg.contexts if s >= self._context_need(self.draft))
+        greedy = cfg.greedy_program and all(s is None or s.request.sampling.greedy for s in self.slots)
+        return Segment(b, s, self.draft, greedy, cfg.segment_cycles)
+
+    def _context_need(self, draft: DraftShape) -> int:
+        """Positions the next segment can touch: every generating row's end plus what its cycles can write (capped by
+        its budget), and every prefilling row's prompt plus the lookahead its riding-along cycles write (the
+        drafter's cache writes clamp at the window's end, so they must stay inside it)."""
+        J, ahead, cycles = draft.num_steps, draft.lookahead, self.config.segment_cycles
+        need = 1
+        for slot in self.slots:
+            if slot is None:
+                continue
+            r = slot.request
+            budget_end = len(r.prompt) + r.max_tokens + ahead + 1
+            if slot.next_chunk is not None:
+                need = max(need, len(r.prompt) + ahead + 1)
+            else:  # +1: a row prefilled in this step has its first token, not yet read
+                end = len(r.prompt) + len(r.tokens) + 1
+                need = max(need, min(end + (cycles - 1) * (J + 1) + ahead + 1, budget_end))
+        return need
+
+    def _finish(self, request: Request, reason: str, new: list[int] | None = None) -> None:
+        request.finish_reason, request.slot = reason, None
+        self._finished.append(request)
+        _notify(request, new or [])
+
+    def _take_finished(self) -> tuple[Request, ...]:
+        finished, self._finished = tuple(self._finished), []
+        return finished
+
+
+def _notify(request: Request, new: list[int]) -> None:
+    if request.on_update is None:
+        return
+    try:
+        request.on_update(request, new)
+    except Exception:  # a consumer that went away must not stop the engine (or the other requests)
+        log.exception("on_update of a request failed; ignoring")

@@ -1,0 +1,433 @@
+"""The serving scheduler alone, without a device: its plans run on a fake executor (plain Python rows that follow
+each plan's parts the way the device does), so admission order, queue limits, cancellation (queued, prefilling,
+running), the bucket and program choice and the seeds are checked decision by decision; and the plan round-trips
+through bytes. The scheduler and the plan import no jax (checked in a fresh interpreter and by the import contract)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.decoding.sampling_params import Sampling
+from jaxspec.serving.plan import (
+    Counters,
+    PrefillChunk,
+    RowAdmission,
+    RowRead,
+    RowResult,
+    Segment,
+    StepPlan,
+    StepResult,
+)
+from jaxspec.serving.scheduler import QueueFull, Request, Scheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 50
+EOS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The slot shape the scheduler reads (the engine's config has the same fields)."""
+
+    max_batch: int = 4
+    max_context: int = 128
+    prefill_chunk: int = 8
+    segment_cycles: int = 2
+    max_queue: int = 8
+    greedy_program: bool = True
+    buckets: tuple[int, ...] = (1, 2, 4)
+    contexts: tuple[int, ...] = (32, 64, 128)
+
+
+def token(seed: int, i: int) -> int:
+    """The fake model's i-th generated token for a row seeded `seed` (whatever else is in the batch)."""
+    return (seed * 31 + i * 17 + 3) % VOCAB
+
+
+def expected(prompt, max_new: int, seed: int, stop_ids=()) -> list[int]:
+    out = []
+    while len(out) < max_new:
+        out.append(token(seed, len(out)))
+        if out[-1] in (EOS, *stop_ids):
+            break
+    return out
+
+
+@dataclasses.dataclass
+class FakeRow:
+    admission: RowAdmission
+    tokens: list[int]  # prompt + generated, as the device's tokens_BS row
+    prefilled: int = 0  # prompt positions processed
+    done: bool = True  # as the device: a row is done until its last prefill chunk
+
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.admission.prompt)
+
+    def emit(self) -> None:
+        a = self.admission
+        self.tokens.append(token(a.seed, self.generated()))
+        self.done = self.tokens[-1] in (EOS, *a.stop_ids) or self.generated() >= a.max_new
+
+
+class FakeExecutor:
+    """Runs plans as the device does (free, admit, prefill, segment, read), on host rows; each generating row gains
+    1 to J+1 tokens per cycle. It checks what the device relies on: chunks in order, windows that cover the rows."""
+
+    def __init__(self, shape: Shape):
+        self.shape, self.rows, self.plans = shape, [None] * shape.max_batch, []
+        self.cycle = 0
+
+    def run(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for row in plan.free:
+            self.rows[row].done = True
+        for a in plan.admit:
+            self.rows[a.row] = FakeRow(a, list(a.prompt))
+        for chunk in plan.prefill:
+            row = self.rows[chunk.row]
+            assert chunk.start == row.prefilled and row.done, "prefill chunks run in order, on a row not generating"
+            row.prefilled = min(chunk.start + self.shape.prefill_chunk, len(row.admission.prompt))
+            if row.prefilled == len(row.admission.prompt):
+                row.emit()  # the prefill's first token
+        if plan.segment is not None:
+            self._segment(plan.segment)
+        out = []
+        for read in plan.read:
+            row = self.rows[read.row]
+            assert read.start <= len(row.tokens)
+            out.append(RowResult(read.row, tuple(row.tokens[read.start :]), row.done))
+        counters = Counters(self.cycle, (0,), (0,), (0, 0)) if plan.busy else None
+        return StepResult(plan.step, tuple(out), counters)
+
+    def _segment(self, seg: Segment) -> None:
+        assert seg.rows in self.shape.buckets and seg.positions in self.shape.contexts
+        ahead = seg.draft.lookahead
+        for _ in range(seg.cycles):
+            self.cycle += 1
+            for i, row in enumerate(self.rows[: seg.rows]):
+                if row is None:
+                    continue
+                # every occupied row writes up to lookahead positions past its length: inside the window
+                assert len(row.tokens) + ahead <= seg.positions, (i, len(row.tokens), seg)
+                for _ in range(1 + (row.admission.seed + self.cycle) % (seg.draft.num_steps + 1)):
+                    if not row.done:
+                        row.emit()
+
+
+CHAIN = DraftShape(3)
+
+
+def make(shape: Shape = Shape(), draft: DraftShape = CHAIN, seeds=None) -> Scheduler:
+    seeds = seeds or itertools.count(1000).__next__
+    return Scheduler(shape, draft, vocab_size=VOCAB, stop_ids=(EOS,), seeds=seeds)
+
+
+def step(scheduler: Scheduler, executor: FakeExecutor):
+    plan = scheduler.schedule()
+    return plan, scheduler.update(executor.run(plan))
+
+
+def drain(scheduler: Scheduler, executor: FakeExecutor, limit: int = 200) -> list[StepPlan]:
+    plans = []
+    while scheduler.has_work:
+        assert len(plans) < limit, "the scheduler does not finish"
+        plans.append(step(scheduler, executor)[0])
+    return plans
+
+
+def test_requests_come_out_as_alone_through_the_fake_executor():
+    """Twelve mixed requests through four slots: each one's tokens are what it would get alone, it finishes with the
+    right reason, and the reports account for every token and every finish."""
+    scheduler, executor = make(), FakeExecutor(Shape())
+    requests = [
+        Request([1 + i] * (3 + 5 * i % 20), 4 + (3 * i) % 11, seed=i, stop_ids=(i % 5 + 10,) if i % 3 else ())
+        for i in range(12)
+    ]
+    for r in requests[:8]:
+        scheduler.submit(r)
+    delivered, finished = 0, []
+    while scheduler.has_work:
+        plan, report = step(scheduler, executor)
+        delivered += sum(d.count for d in report.delivered)
+        finished += report.finished
+        assert scheduler.occupancy <= 4
+        if plan.step == 3:
+            for r in requests[8:]:
+                scheduler.submit(r)
+    for r in requests:
+        assert r.tokens == expected(r.prompt, r.max_tokens, r.seed, r.stop_ids), r
+        stopped = r.tokens[-1] in (EOS, *r.stop_ids)
+        assert r.finish_reason == ("stop" if stopped else "length") and r.slot is None
+    assert delivered == sum(len(r.tokens) for r in requests) and sorted(map(id, finished)) == sorted(map(id, requests))
+    assert scheduler.slots == [None] * 4 and not scheduler.has_work
+
+
+def test_admission_takes_the_lowest_free_slots_in_arrival_order():
+    scheduler, executor = make(Shape(max_batch=2)), FakeExecutor(Shape(max_batch=2))
+    a, b, c, d = (Request([5] * 4, n, seed=9) for n in (1, 60, 2, 2))
+    for r in (a, b, c, d):
+        scheduler.submit(r)
+    plan, _ = step(scheduler, executor)
+    assert [(x.row, x.max_new) for x in plan.admit] == [(0, 1), (1, 60)] and scheduler.queue_depth == 2
+    assert [(p.row, p.start) for p in plan.prefill] == [(0, 0), (1, 0)] and plan.segment is None
+    assert a.finished and a.tokens == [token(9, 0)]  # its first token was its budget: slot 0 is free again
+    plan, _ = step(scheduler, executor)
+    assert [(x.row, x.max_new) for x in plan.admit] == [(0, 2)] and b.slot == 1
+    assert c.tokens == expected(c.prompt, 2, 9) and c.finish_reason == "length"  # prefill + 1 token of b's segment
+    drain(scheduler, executor)
+    assert all(r.finished for r in (a, b, c, d))
+
+
+def test_prefill_runs_one_chunk_per_step_while_the_others_generate():
+    scheduler, executor = make(), FakeExecutor(Shape())
+    short, long = Request([1] * 3, 20, seed=1), Request(list(range(1, 21)), 5, seed=2)
+    scheduler.submit(short)
+    step(scheduler, executor)
+    scheduler.submit(long)
+    plans = [step(scheduler, executor)[0] for _ in range(3)]
+    assert [[(c.row, c.start) for c in p.prefill] for p in plans] == [[(1, 0)], [(1, 8)], [(1, 16)]]
+    assert all(p.segment is not None for p in plans)  # the short request keeps generating meanwhile
+    assert [[r.row for r in p.read] for p in plans] == [[0], [0], [0, 1]]  # the long one is read once prefilled
+
+
+def test_queue_limit_and_bad_requests_name_the_field():
+    scheduler = make(Shape(max_queue=3))
+    for _ in range(3):
+        scheduler.submit(Request([1, 2], 3))
+    with pytest.raises(QueueFull, match="holds 3 waiting requests"):
+        scheduler.submit(Request([1, 2], 3))
+    for request, match in [
+        (Request([], 3), "prompt: expected a non-empty list of token ids in \\[0, 50\\)"),
+        (Request([1, VOCAB], 3), "prompt: expected"),
+        (Request([1], 0), "max_tokens: expected an integer >= 1, got 0"),
+        (Request([1], True), "max_tokens"),
+        (Request([1], 3, stop_ids=tuple(range(9))), "stop ids: expected at most 8"),
+        (Request([1], 3, seed=-1), "seed: expected an integer in \\[0, 2\\*\\*32\\)"),
+        (Request([1] * 30, 100), "exceeds the context of 128 positions"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            scheduler.submit(request)
+    assert scheduler.queue_depth == 3
+    # 120 + 3 new tokens + lookahead 4 + 1 = 128 fits; one more token does not. A prompt is also chunk-padded.
+    assert scheduler.check(120, 3) is None and "exceeds" in scheduler.check(120, 4)
+    assert make(Shape(max_context=64, prefill_chunk=32)).check(33, 1) is not None  # 2 chunks + 1 > 64
+
+
+@pytest.mark.parametrize("when", ["queued", "prefilling", "running"])
+def test_cancel_frees_the_slot_at_once(when):
+    scheduler, executor = make(Shape(max_batch=1)), FakeExecutor(Shape(max_batch=1))
+    updates = []
+    first = Request([1] * 20, 30, seed=3, on_update=lambda r, new: updates.append((list(new), r.finish_reason)))
+    after = Request([2] * 3, 4, seed=4)
+    scheduler.submit(first)
+    if when != "queued":
+        step(scheduler, executor)  # admitted, its first chunk of three
+    if when == "running":
+        while not first.tokens:
+            step(scheduler, executor)
+    scheduler.submit(after)
+    scheduler.cancel(first)
+    plan, report = step(scheduler, executor)
+    assert first.finish_reason == "cancelled" and first.slot is None and report.finished == (first,)
+    assert updates[-1] == ([], "cancelled")
+    assert plan.free == (() if when == "queued" else (0,))
+    assert [a.row for a in plan.admit] == [0] and after.slot == 0  # the freed slot is taken in the same step
+    scheduler.cancel(first)  # again, after it finished: ignored
+    drain(scheduler, executor)
+    assert first.tokens == expected(first.prompt, 30, 3)[: len(first.tokens)] and len(first.tokens) < 30
+    assert after.tokens == expected(after.prompt, 4, 4) and after.finish_reason in ("stop", "length")
+    assert [p.free for p in executor.plans].count(()) == len(executor.plans) - (when != "queued")
+
+
+def test_row_bucket_covers_the_highest_generating_row():
+    scheduler, executor = make(), FakeExecutor(Shape())
+    rows = [Request([1] * 3, 30, seed=s) for s in range(3)]
+    for r in rows:
+        scheduler.submit(r)
+    plan, _ = step(scheduler, executor)
+    assert plan.segment is None  # nothing generates before its prefill
+    assert step(scheduler, executor)[0].segment.rows == 4  # rows 0..2 generate: bucket 4 (buckets 1, 2, 4)
+    scheduler.cancel(rows[2])
+    assert step(scheduler, executor)[0].segment.rows == 2
+    scheduler.cancel(rows[1])
+    assert step(scheduler, executor)[0].segment.rows == 1
+    scheduler.cancel(rows[0])
+    scheduler.submit(Request([1] * 3, 30, seed=5))
+    scheduler.submit(late := Request([1] * 3, 30, seed=6))
+    step(scheduler, executor)
+    scheduler.cancel(scheduler.slots[0].request)
+    assert late.slot == 1 and step(scheduler, executor)[0].segment.rows == 2  # row 1 alone still needs 2 rows
+
+
+def reach(r: Request, draft: DraftShape, cycles: int, prefilling: bool) -> int:
+    """The positions a segment may touch for one row, as the scheduler's rule states it."""
+    ahead = draft.lookahead
+    if prefilling:  # its riding-along cycles write the lookahead past its prompt
+        return len(r.prompt) + ahead + 1
+    end = len(r.prompt) + len(r.tokens) + 1  # + the token a row prefilled in this step has not handed over
+    return min(end + (cycles - 1) * (draft.num_steps + 1) + ahead + 1, len(r.prompt) + r.max_tokens + ahead + 1)
+
+
+@pytest.mark.parametrize("draft", [CHAIN, DraftShape(2, topk=2, num_draft_tokens=6), DraftShape(0)], ids=str)
+def test_context_bucket_covers_what_every_row_can_reach(draft):
+    """With a context bucket at every size a segment's positions are exactly what its rows can reach: a generating
+    row its end plus its cycles' tokens and lookahead (capped by its budget), a prefilling row its prompt plus the
+    lookahead. The fake executor checks every cycle's writes stay inside the window."""
+    shape = Shape(max_batch=2, contexts=tuple(range(1, 129)))
+    scheduler, executor = make(shape, draft), FakeExecutor(shape)
+    a, b = Request([1] * 5, 40, seed=5), Request([1] * 30, 4, seed=2)
+    scheduler.submit(a)
+    step(scheduler, executor)
+    seen: set[str] = set()  # the cases met
+    while not a.finished:
+        if len(a.tokens) > 6 and b.slot is None and not b.finished and not scheduler.queue_depth:
+            scheduler.submit(b)
+        plan = scheduler.schedule()
+        want = reach(a, draft, shape.segment_cycles, False)
+        if b.slot is not None:
+            chunk = next((c for c in plan.prefill if c.row == b.slot), None)
+            still = chunk is not None and chunk.start + shape.prefill_chunk < len(b.prompt)
+            want = max(want, reach(b, draft, shape.segment_cycles, still))
+            seen.add("prefilling" if still else "both generating")
+        assert plan.segment.positions == want
+        seen.add("capped" if want == len(a.prompt) + a.max_tokens + draft.lookahead + 1 else "growing")
+        scheduler.update(executor.run(plan))
+    assert seen == {"prefilling", "both generating", "capped", "growing"}
+
+
+def test_program_is_static_greedy_only_while_every_occupied_row_is_greedy():
+    scheduler, executor = make(), FakeExecutor(Shape())
+    scheduler.submit(Request([1] * 3, 45, seed=5))  # its tokens reach no stop id before 45
+    step(scheduler, executor)
+    assert step(scheduler, executor)[0].segment.greedy
+    sampled = Request([1] * 20, 5, Sampling(0.7, top_k=5), seed=2)
+    scheduler.submit(sampled)
+    plan, _ = step(scheduler, executor)
+    assert plan.prefill and not plan.segment.greedy  # a sampled row still prefilling already counts
+    assert plan.admit[0].sampling == Sampling(0.7, top_k=5)
+    drain_until = lambda: sampled.finished  # noqa: E731
+    while not drain_until():
+        assert not step(scheduler, executor)[0].segment.greedy
+    assert step(scheduler, executor)[0].segment.greedy
+    never = make(Shape(greedy_program=False))
+    never.submit(Request([1] * 3, 30))
+    never.update(FakeExecutor(Shape()).run(never.schedule()))
+    assert not never.schedule().segment.greedy
+    assert step(scheduler, executor)[0].segment.draft == DraftShape(3) and plan.segment.cycles == 2
+
+
+def test_seeds_are_drawn_by_the_scheduler_and_written_into_the_plan():
+    drawn = iter([77, 78, 79])
+    scheduler = make(seeds=lambda: next(drawn))
+    for seed in (None, 5, None):
+        scheduler.submit(Request([1] * 3, 4, seed=seed))
+    plan = scheduler.schedule()
+    assert [a.seed for a in plan.admit] == [77, 5, 78]
+    default = Scheduler(Shape(), DraftShape(3), vocab_size=VOCAB)
+    default.submit(Request([1] * 3, 4))
+    default.submit(Request([1] * 3, 4))
+    seeds = [a.seed for a in default.schedule().admit]
+    assert all(0 <= s < 2**32 for s in seeds) and seeds[0] != seeds[1]
+
+
+def test_abandon_finishes_everything_and_frees_the_rows_next_step():
+    scheduler, executor = make(Shape(max_batch=2)), FakeExecutor(Shape(max_batch=2))
+    requests = [Request([1] * 3, 30, seed=s) for s in range(3)]
+    for r in requests:
+        scheduler.submit(r)
+    step(scheduler, executor)
+    report = scheduler.abandon("error")
+    assert set(map(id, report.finished)) == set(map(id, requests)) and {r.finish_reason for r in requests} == {"error"}
+    assert scheduler.slots == [None, None] and scheduler.queue_depth == 0 and scheduler.has_work
+    plan, _ = step(scheduler, executor)
+    assert plan.free == (0, 1) and not plan.busy and not scheduler.has_work
+    kept = Request([1] * 3, 4, seed=1)
+    scheduler.submit(running := Request([1] * 3, 30, seed=2))
+    step(scheduler, executor)
+    scheduler.submit(kept)
+    assert scheduler.abandon("error", queued=False).finished == (running,)  # a failed step: the queue stays
+    drain(scheduler, executor)
+    assert kept.tokens == expected(kept.prompt, 4, 1) and running.finish_reason == "error"
+
+
+def test_update_checks_the_result_belongs_to_the_last_plan():
+    scheduler = make()
+    scheduler.submit(Request([1] * 20, 4))
+    plan = scheduler.schedule()
+    with pytest.raises(ValueError, match="StepResult.step: expected 1"):
+        scheduler.update(StepResult(plan.step + 1))
+    with pytest.raises(ValueError, match="row 0 holds no generating request"):
+        scheduler.update(StepResult(plan.step, (RowResult(0, (1,), False),)))  # row 0 is still prefilling
+
+
+def test_plan_and_result_round_trip_through_bytes():
+    plan = StepPlan(
+        step=12,
+        free=(3, 1),
+        admit=(
+            RowAdmission(1, (5, 6, 7), 9, Sampling(0.1, top_k=40, top_p=0.95), (11, 12), 2**32 - 1),
+            RowAdmission(3, (8,), 1),
+        ),
+        prefill=(PrefillChunk(1, 0), PrefillChunk(2, 64)),
+        segment=Segment(4, 256, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
+        read=(RowRead(0, 17), RowRead(2, 70)),
+    )
+    again = StepPlan.from_bytes(plan.to_bytes())
+    assert again == plan and again.admit[0].sampling.temperature == 0.1 and again.segment.draft.tree
+    assert StepPlan.from_bytes(StepPlan(1).to_bytes()) == StepPlan(1) and not StepPlan(1).busy
+    result = StepResult(
+        12, (RowResult(0, (4, 5), False), RowResult(2, (), True)), Counters(9, (3, 2), (2, 1), (1, 2, 6))
+    )
+    assert (
+        StepResult.from_bytes(result.to_bytes()) == result
+        and StepResult.from_bytes(StepResult(2).to_bytes()).rows == ()
+    )
+    with pytest.raises(ValueError, match="StepPlan.from_bytes: expected kind 'StepPlan' in format 1"):
+        StepPlan.from_bytes(result.to_bytes())
+    with pytest.raises(ValueError, match="StepPlan.from_bytes: not a serialised StepPlan"):
+        StepPlan.from_bytes(b"\xff")
+
+
+def test_plan_values_refuse_bad_fields_by_name():
+    for build, match in [
+        (lambda: RowAdmission(-1, (1,), 1), "RowAdmission.row: expected an integer >= 0, got -1"),
+        (lambda: RowAdmission(0, (), 1), "RowAdmission.prompt: expected at least one"),
+        (lambda: RowAdmission(0, [1], 1), "RowAdmission.prompt: expected a tuple of token ids"),
+        (lambda: RowAdmission(0, (1,), 1, seed=2**32), "RowAdmission.seed: expected an integer in \\[0, 4294967295\\]"),
+        (lambda: RowAdmission(0, (1,), 1, stop_ids=tuple(range(9))), "RowAdmission.stop_ids: expected at most 8"),
+        (lambda: Segment(0, 16, DraftShape(1), True, 1), "Segment.rows: expected an integer >= 1"),
+        (lambda: Segment(1, 16, 3, True, 1), "Segment.draft: expected a DraftShape"),
+        (lambda: StepPlan(1, prefill=(PrefillChunk(0, 0), PrefillChunk(0, 8))), "StepPlan.prefill: expected each row"),
+        (lambda: StepPlan(1, free=(2, 2)), "StepPlan.free: expected a tuple of distinct rows"),
+        (lambda: StepPlan(1, admit=[RowAdmission(0, (1,), 1)]), "StepPlan.admit: expected a tuple of RowAdmission"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            build()
+
+
+def test_scheduler_and_plan_import_no_jax():
+    code = "import sys, jaxspec.serving.scheduler, jaxspec.serving.plan; assert 'jax' not in sys.modules, 'jax'"
+    code += "; assert 'flax' not in sys.modules, 'flax'; from jaxspec import Sampling"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_import_contract_catches_jax_in_the_scheduler(tmp_path):
+    """The forbidden contract is not vacuous: with the engine (which imports jax) among its sources, it breaks."""
+    text = (ROOT / "pyproject.toml").read_text()
+    sources = 'source_modules = ["jaxspec.serving.scheduler", "jaxspec.serving.plan"]'
+    assert sources in text, "the scheduler's contract in pyproject.toml changed: update this test"
+    (tmp_path / "pyproject.toml").write_text(text.replace(sources, sources[:-1] + ', "jaxspec.serving.engine"]'))
+    from tests.test_architecture import lint_imports
+
+    run = lint_imports(tmp_path / "pyproject.toml")
+    assert run.returncode != 0 and "jaxspec.serving.engine" in run.stdout and "BROKEN" in run.stdout, run.stdout[-3000:]
