@@ -138,7 +138,9 @@ class Tensor(NamedTuple):
     params: tuple[tuple[str, ...], ...]  # our parameter paths (within the layer for a layer row)
     to_ours: Callable[..., tuple[np.ndarray, ...]]
     to_hf: Callable[..., np.ndarray]
-    fp32: bool = False  # written as float32 whatever the checkpoint dtype (the router's score-correction bias)
+    # declared float32 by the model (the router's score-correction bias): read, converted and written as float32
+    # whatever the compute or checkpoint dtype, so its stored values stay bit-exact
+    fp32: bool = False
 
 
 def _vector(path: tuple[str, ...], hf: str, shape: tuple[int, ...], fp32: bool = False) -> Tensor:
@@ -319,13 +321,15 @@ class Reader:
         return self.names[name]
 
     def rows(self, table: list[Tensor], cast: Callable, prefix: str = "") -> dict[str, Any]:
-        """A nested dict of every parameter in `table` (cast), None where its tensor had a problem (recorded)."""
+        """A nested dict of every parameter in `table` (cast; float32 rows as float32), None where its tensor had a
+        problem (recorded)."""
         out: dict[str, Any] = {}
         for row in table:
             w = self.get(prefix + row.hf, row.shape)
             ours = (None,) * len(row.params) if w is None else row.to_ours(w)
+            keep = (lambda a: np.asarray(a, np.float32)) if row.fp32 else cast
             for path, value in zip(row.params, ours, strict=True):
-                set_path(out, path, None if value is None else cast(value))
+                set_path(out, path, None if value is None else keep(value))
         return out
 
 
