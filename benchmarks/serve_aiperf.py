@@ -1,7 +1,7 @@
 """`jaxspec serve` measured with standard clients, at their defaults: aiperf's chat and completions profiles and
 lm-eval's `local-completions` (a generate_until task), against the bundled pair in a small configuration.
 
-    python benchmarks/serve_aiperf.py --aiperf /work/bench-venv/bin/aiperf --lm-eval /work/bench-venv/bin/lm_eval
+    python benchmarks/serve_aiperf.py --aiperf BENCH_VENV/bin/aiperf --lm-eval BENCH_VENV/bin/lm_eval
 
 aiperf and lm-eval live in their own environment (`pip install -e .[bench]` there, or `pip install aiperf
 'lm-eval[api]'`); the server runs with this interpreter. Each aiperf run sends 20 requests with aiperf's default
@@ -22,6 +22,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,9 +109,10 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--isl", type=int, default=64, help="prompt tokens (%(default)s)")
     p.add_argument("--osl", type=int, default=48, help="output tokens requested (%(default)s)")
-    p.add_argument("--work", type=Path, default=Path("/tmp/serve_aiperf"), help="raw exports (%(default)s)")
+    p.add_argument("--work", type=Path, default=None, help="raw exports (default: a new temporary directory)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_aiperf.md")
     args = p.parse_args()
+    args.work = args.work or Path(tempfile.mkdtemp(prefix="serve_aiperf-"))
     args.work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -140,8 +142,8 @@ def report(args, startup: float, results, lm) -> str:
     lines = [
         "# jaxspec serve under aiperf and lm-eval (bundled pair)",
         "",
-        "Written by `python benchmarks/serve_aiperf.py --aiperf /work/bench-venv/bin/aiperf --lm-eval "
-        "/work/bench-venv/bin/lm_eval` (aiperf and lm-eval in their own venv). CPU only, the project's shared "
+        f"Written by `{shlex.join(['python', 'benchmarks/serve_aiperf.py', *sys.argv[1:]])}` (aiperf and lm-eval "
+        "in their own venv). CPU only, the project's shared "
         f"2-core machine (other work ran beside it: compare rows of this table, not machines). Server: `{server}` "
         f"(k = the bundled tuning's), ready (/health 200) {startup:.0f} s after launch. Each run: {args.requests} "
         f"requests, {args.isl} prompt tokens, {args.osl} output tokens (`--osl`, sent as aiperf's default field: "

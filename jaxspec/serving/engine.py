@@ -36,14 +36,10 @@ from jax.sharding import PartitionSpec as P
 from jaxspec.decoding.generate import check_tree
 from jaxspec.decoding.sampling import RowSampling, Sampling
 from jaxspec.decoding.spec_loop import LoopConfig, LoopState, SpecLoop
+from jaxspec.serving.plan import MAX_STOP_IDS
+from jaxspec.serving.scheduler import QueueFull, Request, Slot
 
 log = logging.getLogger("jaxspec.serving")
-
-MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own), the width of LoopState.stop_ids
-
-
-class QueueFull(RuntimeError):
-    """The bounded admission queue is full (the HTTP layer answers 429)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,36 +120,6 @@ class EngineConfig:
             )
 
 
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation request. The engine fills in the output fields and calls `on_update(request, new_tokens)`
-    from its own thread whenever tokens arrive and once more when the request finishes (finish_reason set)."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: Sampling = Sampling()
-    seed: int | None = None  # None: a random seed
-    stop_ids: tuple[int, ...] = ()  # extra stop token ids (the model's eos always stops)
-    on_update: Callable[[Request, list[int]], None] | None = None
-    # filled in by the engine
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
-    arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    slot: int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclasses.dataclass
-class _Slot:
-    request: Request
-    next_chunk: int | None  # start of the next prefill chunk; None once prefill is done
-
-
 class Engine:
     """Continuous batching with speculative decoding. Drive it with `start()` (a background thread) or call `step()`
     yourself (tests). `submit` and `cancel` are thread-safe."""
@@ -186,7 +152,7 @@ class Engine:
         self._admit = jax.jit(_admit, donate_argnums=0)
         self._finish = jax.jit(lambda done_B, slot: done_B.at[slot].set(True), donate_argnums=0)
         self.state = self._empty_state()
-        self.slots: list[_Slot | None] = [None] * config.max_batch
+        self.slots: list[Slot | None] = [None] * config.max_batch
         self._queue: collections.deque[Request] = collections.deque()
         self._cancels: list[tuple[Request, str]] = []
         self._lock = threading.Condition()
@@ -386,7 +352,7 @@ class Engine:
             row = tuple(np.asarray(x, dt) for x, dt in zip(row, _ROW_DTYPES, strict=True))
             self.state = self._admit(self.state, np.int32(slot), *row)
             request.slot = slot
-            self.slots[slot] = _Slot(request, 0)
+            self.slots[slot] = Slot(request, 0)
         self._gauges()
 
     def _segment(self, rows: int, positions: int, program: LoopConfig | None = None) -> None:
