@@ -55,14 +55,25 @@ class Target:
         cfg: KimiConfig, dtype, int4_experts: bool | None, rules: ShardingRules = DEFAULT_RULES
     ) -> nnx.Module:
         """The model's structure with ShapeDtypeStruct leaves (nothing allocated)."""
-        return nnx.eval_shape(
-            lambda: KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rules=rules, rngs=nnx.Rngs(0))
-        )
+        return nnx.eval_shape(functools.partial(_model, cfg, dtype, int4_experts, rules, 0))
 
     @classmethod
     def param_specs(cls, params: Any, rules: ShardingRules = DEFAULT_RULES) -> Any:
         """PartitionSpec per parameter, from each weight's declared logical axes."""
         return jax.tree.map(lambda v: rules.spec(v.get_metadata()["logical_axes"]), params, is_leaf=_is_var)
+
+    @classmethod
+    def _skeleton(
+        cls, cfg: KimiConfig, mesh: Mesh | None, dtype, int4_experts: bool | None, rules: ShardingRules
+    ) -> tuple[Mesh, Any, Any, Any]:
+        """What every constructor starts from: the mesh (one device by default) checked against the config, the
+        model's graphdef and abstract parameters built with `rules` (the axis the forward reduces over), and each
+        parameter's NamedSharding."""
+        mesh = mesh or single_device_mesh()
+        check_mesh(cfg, mesh, rules)
+        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts, rules))
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cls.param_specs(abstract, rules))
+        return mesh, graphdef, abstract, shardings
 
     @classmethod
     def random(
@@ -76,13 +87,8 @@ class Target:
         rules: ShardingRules = DEFAULT_RULES,
     ) -> Target:
         """Randomly initialised weights, created directly in their shardings."""
-        mesh = mesh or single_device_mesh()
-        check_mesh(cfg, mesh, rules)
-        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts, rules))
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cls.param_specs(abstract, rules))
-        make = lambda: nnx.state(  # noqa: E731
-            KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rules=rules, rngs=nnx.Rngs(seed))
-        )
+        mesh, graphdef, _, shardings = cls._skeleton(cfg, mesh, dtype, int4_experts, rules)
+        make = lambda: nnx.state(_model(cfg, dtype, int4_experts, rules, seed))
         params = jax.jit(make, out_shardings=shardings)()
         return cls(cfg, mesh, graphdef, params, rules)
 
@@ -97,17 +103,14 @@ class Target:
         rules: ShardingRules = DEFAULT_RULES,
     ) -> Target:
         """Shapes, dtypes and shardings only: for lowering/compiling the real model without allocating it."""
-        mesh = mesh or single_device_mesh()
-        check_mesh(cfg, mesh, rules)
-        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts))
+        mesh, graphdef, abstract, shardings = cls._skeleton(cfg, mesh, dtype, int4_experts, rules)
 
-        def with_sharding(var, spec):
-            sharding = NamedSharding(mesh, spec)
+        def with_sharding(var, sharding):
             return var.replace(
                 jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), var.get_value())
             )
 
-        params = jax.tree.map(with_sharding, abstract, cls.param_specs(abstract, rules), is_leaf=_is_var)
+        params = jax.tree.map(with_sharding, abstract, shardings, is_leaf=_is_var)
         return cls(cfg, mesh, graphdef, params, rules)
 
     @classmethod
@@ -124,9 +127,8 @@ class Target:
 
         Each array goes straight from host memory to its shards, cast to the parameter's dtype (INT4 scales to the
         scale dtype); routed experts are INT4 exactly when the config has a quant scheme."""
-        mesh = mesh or single_device_mesh()
-        check_mesh(cfg, mesh, rules)
-        graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, cfg.quant is not None))
+        mesh, graphdef, abstract, shardings = cls._skeleton(cfg, mesh, dtype, cfg.quant is not None, rules)
+        shardings = dict(nnx.to_flat_state(shardings))
 
         def place(path, var):
             expect, value = var.get_value(), host[path]
@@ -136,8 +138,7 @@ class Target:
                 arr = Int4Array(np.asarray(value.packed, np.uint8), scale, expect.group_size)
             else:
                 arr = np.asarray(value).astype(expect.dtype)
-            spec = rules.spec(var.get_metadata()["logical_axes"])
-            return path, var.replace(jax.device_put(arr, NamedSharding(mesh, spec)))
+            return path, var.replace(jax.device_put(arr, shardings[path]))
 
         params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
         return cls(cfg, mesh, graphdef, params, rules)
@@ -329,6 +330,10 @@ def _run(target, params, tokens, capture=()):
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=4)
 def _jit_forward(target, params, tokens, pos, cache, capture, impl):
     return target.apply(params, tokens, pos, cache, capture=capture, impl=impl)
+
+
+def _model(cfg: KimiConfig, dtype, int4_experts: bool | None, rules: ShardingRules, seed: int) -> KimiModel:
+    return KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rules=rules, rngs=nnx.Rngs(seed))
 
 
 def check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> None:
