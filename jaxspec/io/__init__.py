@@ -4,7 +4,8 @@ hf.py                  HF safetensors reading and the target's name table (both 
 fp8.py                 FP8 block-quantised checkpoints, read dequantised; one-read safetensors access
 compressed_tensors.py  the compressed-tensors INT4 "pack-quantized" codec
 export.py              writing a target as an HF DeepseekV3 checkpoint (INT4 experts)
-drafter_hf.py          EAGLE-3 drafter checkpoints (SGLang, speculators, MLA), read and written by one table
+drafter_config.py      EAGLE-3 drafter config.json (SGLang, speculators, MLA): read, checked against the target, written
+drafter_hf.py          EAGLE-3 drafter tensors (SGLang, speculators, MLA), read and written by one table
 orbax.py               the layout of a `jaxspec-convert target` output, and restoring its parameters
 load.py                load_target, load_drafter, load_drafter_or_random
 """

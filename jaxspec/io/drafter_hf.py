@@ -1,7 +1,7 @@
 """EAGLE-3 drafter checkpoints in HF layout: SGLang/SpecForge, speculators/vLLM and MLA (Eagle3DeepseekV2).
 
 Both Llama layouts hold the same tensors (HF [out, in] weights); they differ in the layer prefix (`midlayer.` vs
-`layers.0.`), in config.json, and in the meaning of the capture-layer ids (see `jaxspec/models/eagle3.py`).
+`layers.0.`), in config.json, and in the meaning of the capture-layer ids (config.json is `drafter_config.py`'s).
 One name table (`_table`, `_mla_table`) serves `read_tensors` and `save_drafter`; `jaxspec.io.load_drafter` reads
 either layout, converts the ids to the internal output-of-layer-k convention, checks every tensor against the config
 and the target, and only then places anything on devices.
@@ -9,22 +9,20 @@ and the target, and only then places anything on devices.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from jaxspec.io.drafter_config import Format, hf_config
 from jaxspec.io.hf import CheckpointError, SafetensorsDir
-from jaxspec.models.eagle3 import SGLANG_ARCHITECTURE, SPECULATORS_TYPE, Eagle3Config
+from jaxspec.models.eagle3 import Eagle3Config
 from jaxspec.pytree import get_path
 from jaxspec.runtime.drafter import Drafter
 
-Format = Literal["sglang", "speculators", "mla"]
 LAYER_PREFIX: dict[str, str] = {"sglang": "midlayer.", "speculators": "layers.0.", "mla": "midlayer."}
 # Tensors some writers add that inference never reads (speculators' frozen verifier copies, rotary buffers).
 IGNORED = ("verifier_norm.weight", "verifier_lm_head.weight")
@@ -239,92 +237,3 @@ def save_drafter(drafter: Drafter, path: str | Path, *, format: Format, verifier
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config(cfg, format, drafter.dtype, verifier), indent=2) + "\n")
-
-
-def _mla_hf_config(cfg: Eagle3Config, layer: dict[str, Any], dtype_name: str) -> dict[str, Any]:
-    """vLLM's Eagle3DeepseekV2ForCausalLM layout: DeepSeek-V3 attention fields; layer ids as inputs of layer k + 1."""
-    m = cfg.mla
-    rope = None
-    if m.rope_scaling is not None:
-        rope = {"type": "yarn", **{k: v for k, v in dataclasses.asdict(m.rope_scaling).items() if v is not None}}
-    return {
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
-        **{k: v for k, v in layer.items() if k not in ("head_dim", "num_key_value_heads")},
-        "model_type": "deepseek_v3",
-        "num_key_value_heads": m.num_attention_heads,
-        "q_lora_rank": m.q_lora_rank,
-        "kv_lora_rank": m.kv_lora_rank,
-        "qk_nope_head_dim": m.qk_nope_head_dim,
-        "qk_rope_head_dim": m.qk_rope_head_dim,
-        "v_head_dim": m.v_head_dim,
-        "rope_theta": m.rope_theta,
-        "rope_scaling": rope,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_residual": cfg.norm_before_residual,
-        "torch_dtype": dtype_name,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [k + 1 for k in cfg.capture_layers],
-            "use_aux_hidden_state": True,
-        },
-    }
-
-
-def hf_config(cfg: Eagle3Config, format: Format, dtype=jnp.bfloat16, verifier: str | None = None) -> dict[str, Any]:
-    """config.json contents for `cfg` in the given format (the inverse of `Eagle3Config.from_hf_config`)."""
-    layer = {
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-    }
-    rope, dtype_name = cfg.rope.to_hf(), jnp.dtype(dtype).name
-    if format == "mla":
-        return _mla_hf_config(cfg, layer, dtype_name)
-    common = {
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_residual": cfg.norm_before_residual,
-    }
-    if format == "sglang":
-        theta = rope.pop("rope_theta")
-        return {
-            "architectures": [SGLANG_ARCHITECTURE],
-            **layer,
-            "rope_theta": theta,
-            "rope_scaling": None if rope["rope_type"] == "default" else rope,
-            **common,
-            "torch_dtype": dtype_name,
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(cfg.capture_layers),
-                "use_aux_hidden_state": True,
-            },
-        }
-    return {
-        "architectures": ["Eagle3DraftModel"],
-        "speculators_model_type": SPECULATORS_TYPE,
-        **common,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "eagle_aux_hidden_state_layer_ids": [k + 1 for k in cfg.capture_layers],  # inputs of layer k + 1
-        "transformer_layer_config": {**layer, "rope_parameters": rope},
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-            "verifier": {"name_or_path": verifier, "architectures": ["DeepseekV3ForCausalLM"]},
-        },
-        "dtype": dtype_name,
-        "tie_word_embeddings": False,
-    }

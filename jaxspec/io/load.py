@@ -10,11 +10,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxspec.config import ConfigError, KimiConfig
+from jaxspec.io.drafter_config import Convention, draft_config_for, read_drafter_config
 from jaxspec.io.drafter_hf import read_tensors
 from jaxspec.io.fp8 import open_checkpoint
 from jaxspec.io.hf import read_params
 from jaxspec.io.orbax import check_complete, read_marker, restore_params
-from jaxspec.models.eagle3 import Convention, Eagle3Config, draft_config_for
 from jaxspec.pytree import flatten
 from jaxspec.runtime import Drafter, Target, check_mesh
 from sharding.mesh import single_device_mesh
@@ -58,7 +58,7 @@ def load_drafter(
         raw = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path / 'config.json'}: not valid JSON ({e})") from e
-    cfg = Eagle3Config.from_hf_config(raw, target_config=target.config, capture_convention=capture_convention)
+    cfg = read_drafter_config(raw, target_config=target.config, capture_convention=capture_convention)
     host, d2t = read_tensors(path, cfg, target.config.hidden_size, np.dtype(jnp.dtype(dtype)))
     return Drafter.from_host(cfg, target, host, d2t, dtype=dtype)
 

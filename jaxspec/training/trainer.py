@@ -48,8 +48,8 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import KimiConfig
 from jaxspec.io import save_drafter
-from jaxspec.io.drafter_hf import hf_config
-from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, Split, concat_captured, draft_config_for
+from jaxspec.io.drafter_config import draft_config_for, hf_config, read_drafter_config
+from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, Split, concat_captured
 from jaxspec.pytree import get_path
 from jaxspec.runtime import Drafter, Target
 from jaxspec.training.data import load_dataset, target_fingerprint
@@ -448,7 +448,7 @@ def _draft_config(tcfg: KimiConfig, config: TrainConfig) -> Eagle3Config:
         return cfg
     mla = tcfg.replace(hidden_size=cfg.hidden_size, num_attention_heads=config.heads)
     cfg = dataclasses.replace(cfg, format="mla", mla=mla, num_key_value_heads=config.heads, head_dim=mla.qk_head_dim)
-    return Eagle3Config.from_hf_config(hf_config(cfg, "mla"), target_config=tcfg)
+    return read_drafter_config(hf_config(cfg, "mla"), target_config=tcfg)
 
 
 def _fit_length(ids: np.ndarray, mask: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:

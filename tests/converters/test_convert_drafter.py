@@ -13,7 +13,7 @@ from converters.__main__ import main
 from converters.drafter import target_for_drafter
 from converters.target import convert_target
 from jaxspec.io import load_drafter, load_target, save_drafter
-from jaxspec.models.eagle3 import draft_config_for
+from jaxspec.io.drafter_config import draft_config_for
 from jaxspec.runtime import Drafter
 
 U = 64  # draft vocabulary (< target vocab 256): exercises d2t / t2d

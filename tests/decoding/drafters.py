@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.eagle3 import draft_config_for
+from jaxspec.io.drafter_config import draft_config_for
 from jaxspec.runtime import Drafter
 
 

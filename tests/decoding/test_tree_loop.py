@@ -15,7 +15,7 @@ from jaxspec.decoding import tree as tr
 from jaxspec.decoding.generate import generate
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.spec_loop import draft_tree
-from jaxspec.models.eagle3 import draft_config_for
+from jaxspec.io.drafter_config import draft_config_for
 from jaxspec.runtime import Drafter
 from sharding.mesh import make_mesh
 from tests.decoding.drafters import OracleDrafter, random_drafter

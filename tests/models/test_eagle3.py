@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from jaxspec.config import ConfigError, KimiConfig
 from jaxspec.io import CheckpointError, load_drafter, load_drafter_or_random, load_target, save_drafter
-from jaxspec.models.eagle3 import Eagle3Config, _read_draft_rope, draft_config_for
+from jaxspec.io.drafter_config import _read_draft_rope, draft_config_for, read_drafter_config
 from jaxspec.runtime import Target
 from sharding.mesh import make_mesh
 from tests.reference import eagle3_speculators as ref
@@ -275,7 +275,7 @@ KIMI = KimiConfig.preset("kimi-k2.5")  # 61 layers
     ],
 )
 def test_capture_layers_from_config(cfg, kw, layers, convention):
-    parsed = Eagle3Config.from_hf_config(cfg, target_config=KIMI, **kw)
+    parsed = read_drafter_config(cfg, target_config=KIMI, **kw)
     assert (parsed.capture_layers, parsed.capture_convention) == (layers, convention)
     assert parsed.full_vocab and parsed.head_dim == 112
 
@@ -308,13 +308,13 @@ def test_capture_layers_from_config(cfg, kw, layers, convention):
 )
 def test_bad_config(cfg, match):
     with pytest.raises(ConfigError, match=match):
-        Eagle3Config.from_hf_config(cfg, target_config=KIMI)
+        read_drafter_config(cfg, target_config=KIMI)
 
 
 def test_disagreeing_ids_refused():
     cfg = kimi_sglang(eagle_aux_hidden_state_layer_ids=[2], eagle_config={"eagle_aux_hidden_state_layer_ids": [5]})
     with pytest.raises(ConfigError, match=r"layer ids disagree"):
-        Eagle3Config.from_hf_config(cfg, target_config=KIMI, capture_convention="output")
+        read_drafter_config(cfg, target_config=KIMI, capture_convention="output")
 
 
 def _edit(src, dst, config=None, tensors=None):

@@ -211,10 +211,10 @@ def test_export_round_trip(drafter_ckpt, hf_target, target, tmp_path):
 def test_bad_mla_configs_are_named(target):
     cfg = hf_config("kimi")
     with pytest.raises(ConfigError, match="q_lora_rank: an MLA drafter without a query LoRA"):
-        from jaxspec.models.eagle3 import Eagle3Config
+        from jaxspec.io.drafter_config import read_drafter_config
 
-        Eagle3Config.from_hf_config(published_config(cfg, q_lora_rank=None), target_config=target.config)
+        read_drafter_config(published_config(cfg, q_lora_rank=None), target_config=target.config)
     with pytest.raises(ConfigError, match="kv_lora_rank: an MLA drafter needs a positive integer, got 0"):
-        Eagle3Config.from_hf_config(published_config(cfg, kv_lora_rank=0), target_config=target.config)
+        read_drafter_config(published_config(cfg, kv_lora_rank=0), target_config=target.config)
     with pytest.raises(ConfigError, match=r"fc_norm: variant flag is set"):  # Eagle 3.1 checkpoints
-        Eagle3Config.from_hf_config(published_config(cfg, fc_norm=True), target_config=target.config)
+        read_drafter_config(published_config(cfg, fc_norm=True), target_config=target.config)
