@@ -67,7 +67,7 @@ def _target(args: argparse.Namespace) -> None:
         from pathlib import Path
 
         from converters.target import open_source
-        from jaxspec.runtime import check_mesh
+        from jaxspec.io import check_mesh
         from sharding.mesh import make_mesh
 
         check_mesh(open_source(Path(args.src))[0], make_mesh(args.mesh), _default_rules())

@@ -17,9 +17,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxspec.config import KimiConfig
-from jaxspec.io import load_drafter, save_drafter
+from jaxspec.io import Target, load_drafter, save_drafter
 from jaxspec.io.orbax import flatten_int4, group_dir, read_marker
-from jaxspec.runtime import Target
 
 TOP = ("embed", "final_norm", "lm_head")
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from converters.shard_writer import DirectNumpyHandler, aligned_empty
 from jaxspec.config import KimiConfig
+from jaxspec.io import Target
 from jaxspec.io.fp8 import DTYPES, SCALE_SUFFIX, dequantized_config, fp8_block, open_checkpoint
 from jaxspec.io.hf import (
     EXPERT_PROJS,
@@ -59,7 +60,6 @@ from jaxspec.io.orbax import (
     stack_of,
 )
 from jaxspec.pytree import flatten, set_path
-from jaxspec.runtime import Target
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 

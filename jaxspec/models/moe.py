@@ -8,7 +8,6 @@ every token routed to them. Both give partial sums; the caller adds them and red
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Literal
 
@@ -86,7 +85,7 @@ class MoE(nnx.Module):
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.axis = axis  # the expert-parallel mesh axis (ShardingRules.model_axis)
-        self.impl: ExpertImpl = "auto"  # static (in the graphdef); see `with_expert_impl`
+        self.impl: ExpertImpl = "auto"  # static (in the graphdef); see `Target.with_expert_impl`
 
     def __call__(self, x_MD: jax.Array) -> jax.Array:
         with jax.named_scope("router"):
@@ -113,17 +112,6 @@ class MoE(nnx.Module):
             )
         with jax.named_scope("shared_expert"):
             return routed + self.shared(x_MD)
-
-
-def with_expert_impl(target, impl: ExpertImpl):
-    """A copy of a `Target` whose MoE layers use routed-expert path `impl` ("auto", "xla" or "pallas")."""
-    if impl not in ("auto", "xla", "pallas"):
-        raise ValueError(f"with_expert_impl: impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
-    model = nnx.merge(target.graphdef, target.params)
-    for _, module in model.iter_modules():
-        if isinstance(module, MoE):
-            module.impl = impl
-    return dataclasses.replace(target, graphdef=nnx.graphdef(model))
 
 
 def route(

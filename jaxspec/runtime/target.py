@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspec.config import KimiConfig
 from jaxspec.models.kimi import KimiModel
 from jaxspec.models.mla import KV_BLOCK, AttnImpl
+from jaxspec.models.moe import ExpertImpl, MoE
 from jaxspec.models.quant import Int4Array
 from jaxspec.models.tree_attention import compact_path
 from sharding.collectives import sharded_argmax, sharded_top_k
@@ -149,6 +150,17 @@ class Target:
         specs = self.param_specs(self.params, self.rules)
         params = jax.device_put(self.params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
         return dataclasses.replace(self, mesh=mesh, params=params)
+
+    def with_expert_impl(self, impl: ExpertImpl) -> Target:
+        """The same weights, with every MoE layer's routed experts on path `impl` ("auto", "xla" or "pallas"; static,
+        in the graphdef)."""
+        if impl not in get_args(ExpertImpl):
+            raise ValueError(f"with_expert_impl: impl must be one of {get_args(ExpertImpl)}, got {impl!r}")
+        model = nnx.merge(self.graphdef, self.params)
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, MoE):
+                module.impl = impl
+        return dataclasses.replace(self, graphdef=nnx.graphdef(model))
 
     # ------------------------------------------------------------------ the sharded forward
     @property

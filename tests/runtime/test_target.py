@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxspec import KimiConfig, Target
+from jaxspec.models.moe import MoE
 from sharding.mesh import DATA, make_mesh
 from sharding.rules import ShardingRules
 
@@ -56,3 +57,18 @@ def test_random_builds_with_the_rules():
     swapped = Target.random(CFG, mesh=mesh, dtype=jnp.float32, rules=SWAPPED)
     default = Target.random(CFG, mesh=make_mesh((1, 2), jax.devices()[:2]), dtype=jnp.float32)
     _check(swapped, np.asarray(default.logits(TOKENS)))  # same seed: the same weights
+
+
+def test_with_expert_impl_sets_the_path_of_every_moe_layer(reference):
+    """The copy's MoE layers run the path asked for (on CPU, "pallas" has no lowering and says so); the original's
+    graphdef is untouched."""
+    host, ref = reference
+    target = Target.from_host(CFG, host, mesh=make_mesh((1, 2), jax.devices()[:2]), dtype=jnp.float32)
+    xla = target.with_expert_impl("xla")
+    np.testing.assert_allclose(np.asarray(xla.logits(TOKENS)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    with pytest.raises(ValueError, match=r"impl='pallas' has no lowering for backend 'cpu'"):
+        target.with_expert_impl("pallas").logits(TOKENS)
+    impls = lambda t: {m.impl for _, m in nnx.iter_modules(nnx.merge(t.graphdef, t.params)) if isinstance(m, MoE)}
+    assert (impls(target), impls(xla)) == ({"auto"}, {"xla"})
+    with pytest.raises(ValueError, match=r"with_expert_impl: impl must be one of .* got 'triton'"):
+        target.with_expert_impl("triton")
