@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import re
 from pathlib import Path
 
 from jaxspec.cli.args import (
@@ -33,26 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "too, unless given), for the bundled pair its committed tuning result",
     )
     add_tree_args(p)
-    p.add_argument("--max-batch", type=int, default=8, help="slots: the batch of the compiled loop (%(default)s)")
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=1024,
-        help="positions per slot: prompt + max_tokens + k + 2, for a tree + its draft tokens + 1 (%(default)s)",
-    )
-    p.add_argument(
-        "--batch-buckets",
-        default="",
-        help="comma-separated segment batch sizes to compile (default: powers of two up to --max-batch)",
-    )
-    p.add_argument(
-        "--context-buckets",
-        default="",
-        help="comma-separated segment context sizes to compile (default: powers of two from 256 up to --max-context)",
-    )
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call (%(default)s)")
-    p.add_argument("--segment-cycles", type=int, default=4, help="cycles between admissions (%(default)s)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (%(default)s)")
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="(%(default)s)")
     p.add_argument("--port", type=int, default=8000, help="(%(default)s)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
@@ -65,6 +48,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_mesh_arg(p, "mesh shape 1xMODEL (default: one device)")
     add_dtype_arg(p, help="(default: float32 for the bundled pair, else bfloat16)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The EngineConfig fields that have a help text, as --<field-name> flags with the config's defaults (a tuple
+    field takes comma-separated integers)."""
+    import typing
+
+    from jaxspec.serving.engine import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if "help" not in f.metadata:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if hints[f.name] is int:
+            p.add_argument(flag, type=int, default=f.default, help=f.metadata["help"] + " (%(default)s)")
+        else:  # tuple[int, ...]
+            p.add_argument(flag, default="", help=f.metadata["help"])
+
+
+def _engine_fields(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields given by flags (`add_engine_args`)."""
+    from jaxspec.serving.engine import EngineConfig
+
+    fields = {}
+    for f in dataclasses.fields(EngineConfig):
+        if "help" not in f.metadata:
+            continue
+        value = getattr(args, f.name)
+        if isinstance(f.default, tuple):
+            flag = "--" + f.name.replace("_", "-")
+            try:
+                value = tuple(int(x) for x in value.split(",") if x.strip())
+            except ValueError:
+                raise SystemExit(f"jaxspec serve: {flag}: expected comma-separated integers, got {value!r}") from None
+        fields[f.name] = value
+    return fields
 
 
 def _num_steps(args, bundled: bool) -> int:
@@ -116,32 +136,27 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.model, mesh=make_mesh(args.mesh) if args.mesh else None, dtype=dtype)
     drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    metrics = Metrics(num_steps, config.max_batch, topk=config.topk, verify_tokens=config.verify_tokens)
+    metrics = Metrics(config.draft, config.max_batch)
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics)
     engine.warmup(log.info)
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)
     app = create_app(engine, tokenizer, name, chat_format=args.chat_format)
-    log.info("serving %s on http://%s:%d (k = %d)", name, args.host, args.port, num_steps)
+    log.info("serving %s on http://%s:%d (draft %s)", name, args.host, args.port, config.draft.label)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
     return 0
 
 
 def _engine_config(args: argparse.Namespace, num_steps: int):
     """The engine settings of the flags (errors as one line naming the problem)."""
+    from jaxspec.decoding.draft_shape import DraftShape
     from jaxspec.serving.engine import EngineConfig
 
     try:
-        return EngineConfig(
-            max_batch=args.max_batch,
-            max_context=args.max_context,
-            num_steps=num_steps,
-            topk=args.topk,
-            num_draft_tokens=args.num_draft_tokens,
-            prefill_chunk=args.prefill_chunk,
-            segment_cycles=args.segment_cycles,
-            max_queue=args.max_queue,
-            batch_buckets=tuple(int(b) for b in args.batch_buckets.split(",") if b.strip()),
-            context_buckets=tuple(int(s) for s in args.context_buckets.split(",") if s.strip()),
-        )
-    except ValueError as e:  # also a --batch-buckets or --context-buckets entry that is not an integer
+        draft = DraftShape(num_steps, args.topk, args.num_draft_tokens)
+    except ValueError as e:
+        flags = re.sub(r"\b(topk|num_steps|num_draft_tokens)\b", lambda m: "--" + m[1].replace("_", "-"), str(e))
+        raise SystemExit(f"jaxspec serve: {flags}") from None
+    try:
+        return EngineConfig(draft=draft, **_engine_fields(args))
+    except ValueError as e:
         raise SystemExit(f"jaxspec serve: {e}") from None

@@ -12,20 +12,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxspec.decoding import tree
+from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.spec_loop import LoopConfig, SpecLoop
+from jaxspec.decoding.spec_loop import SpecLoop
+from jaxspec.decoding.state import LoopConfig, LoopState
 from sharding.mesh import DATA
 
-MAX_NUM_STEPS = 16
-MAX_TOPK = 16
-MAX_DRAFT_TOKENS = 64  # tree nodes verified per cycle (the root included)
 MIN_PROMPT_BUCKET = 16
 PREFILL_CHUNK = 256
 
@@ -137,6 +132,7 @@ def generate(
     drafter,
     prompts,
     *,
+    draft: DraftShape | int | None = None,
     max_new_tokens: int = 128,
     num_steps: int = 3,
     topk: int = 1,
@@ -152,12 +148,14 @@ def generate(
     on_progress: Callable[[Progress], None] | None = None,
     loops: LoopCache | None = None,
 ) -> GenerateResult:
-    """Generate up to `max_new_tokens` per prompt with EAGLE-3 speculative decoding (`num_steps` draft tokens per
-    cycle; 0 = plain decoding, drafter may be None). Greedy at temperature 0 (output identical to plain greedy);
-    otherwise lossless speculative sampling with temperature / top-k / top-p applied identically to target and draft.
+    """Generate up to `max_new_tokens` per prompt with EAGLE-3 speculative decoding. Greedy at temperature 0 (output
+    identical to plain greedy); otherwise lossless speculative sampling with temperature / top-k / top-p applied
+    identically to target and draft.
 
-    Trees: `topk` > 1 drafts `num_steps` levels of the `topk` best children per frontier node and verifies the
-    `num_draft_tokens` best nodes (root included; default all, at most 64) in one forward (decoding/tree.py).
+    `draft`: what a cycle drafts, a `DraftShape` (or a chain's depth as an int): `DraftShape(3)` a chain of 3 draft
+    tokens, `DraftShape(0)` plain decoding (drafter may then be None), `DraftShape(4, topk=2, num_draft_tokens=8)` a
+    tree of 4 levels of the 2 best children per frontier node whose 8 best nodes (the root included) are verified in
+    one forward (decoding/tree.py). Without `draft`, `num_steps`, `topk` and `num_draft_tokens` give the shape.
 
     `stop`: extra stop token ids (the target config's eos and the tokenizer's stop ids always apply). `on_cycles`
     receives the tokens generated so far after every `stream_cycles` cycles (for streaming output); `on_progress`
@@ -166,26 +164,27 @@ def generate(
     default: the target's own cache).
     """
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-    _check_counts(num_steps, drafter, max_new_tokens, stream_cycles)
-    num_draft_tokens = check_tree(num_steps, topk, num_draft_tokens, drafter)
+    shape = draft_shape(draft, num_steps, topk, num_draft_tokens, drafter)
+    _check_counts(max_new_tokens, stream_cycles)
     cfg = target.config
     stop, ids = _check_seed_and_stop(seed, stop, cfg.vocab_size), _prompt_ids(prompts, tokenizer)
-    layout = _Layout.of(ids, target, max_new_tokens, num_steps, num_draft_tokens)
+    layout = _Layout.of(ids, target, max_new_tokens, shape)
     stop_ids = set(cfg.stop_token_ids) | set(stop) | set(getattr(tokenizer, "stop_ids", ()) or ())
 
     loop = (loops if loops is not None else LoopCache.of(target)).loop(target, drafter)
     traces_before = loop.traces
-    tree_settings = dict(topk=topk, num_draft_tokens=num_draft_tokens if topk > 1 else 0)
-    loop_cfg = LoopConfig(num_steps, sampling, tuple(sorted(stop_ids)), layout.prompt, layout.chunk, **tree_settings)
-    state_in = layout.state_in(ids, target, max_new_tokens, seed)
+    loop_cfg = LoopConfig(shape, sampling, tuple(sorted(stop_ids)), layout.prompt, layout.chunk)
+    state = LoopState.empty(target, drafter, shape, layout.batch, layout.buffer, greedy=sampling.greedy, seed=seed)
+    state = state.with_prompts(ids, max_new_tokens)
     budget = stream_cycles if on_cycles is not None or on_progress is not None else max_new_tokens + 1
     start = time.perf_counter()
-    state = _decode(loop, loop_cfg, target, drafter, layout, state_in, budget, (on_cycles, on_progress), len(ids))
+    state = _decode(loop, loop_cfg, target, drafter, state, budget, (on_cycles, on_progress), len(ids))
     seconds = time.perf_counter() - start
     out = _collect(state, len(ids))
-    stats = _stats(state, out, num_steps, seconds) | {
-        "topk": topk,
-        "num_draft_tokens": num_draft_tokens,  # tokens one verify step takes
+    stats = _stats(state, out, shape.num_steps, seconds) | {
+        "draft": shape.label,
+        "topk": shape.topk,
+        "num_draft_tokens": shape.verify_tokens,  # tokens one verify step takes
         "compiles": loop.traces - traces_before,
         "buckets": {"batch": layout.batch, "prompt": layout.prompt, "buffer": layout.buffer},
     }
@@ -193,15 +192,12 @@ def generate(
     return GenerateResult(out, text, stats)
 
 
-def _decode(loop: SpecLoop, loop_cfg: LoopConfig, target, drafter, layout, state_in, budget: int, callbacks, n: int):
+def _decode(loop: SpecLoop, loop_cfg: LoopConfig, target, drafter, state: LoopState, budget: int, callbacks, n: int):
     """Prefill, then run the loop `budget` cycles at a time (handing the progress to the callbacks after each run)
     until every row is done; returns the final LoopState."""
     on_cycles, on_progress = callbacks
-    use_drafter = drafter is not None and loop_cfg.num_steps > 0
-    dparams = drafter.params if use_drafter else None
-    draft_cache = drafter.init_cache(layout.batch, layout.buffer) if use_drafter else None
-    tcache = target.init_cache(layout.batch, layout.buffer)
-    state = loop.prefill(loop_cfg, target.params, dparams, tcache, draft_cache, state_in)
+    dparams = drafter.params if drafter is not None and not loop_cfg.draft.plain else None
+    state = loop.prefill(loop_cfg, target.params, dparams, state)
     while True:
         state = loop.run(loop_cfg, target.params, dparams, state, jnp.int32(budget))
         done_B = np.asarray(state.done_B)
@@ -211,42 +207,27 @@ def _decode(loop: SpecLoop, loop_cfg: LoopConfig, target, drafter, layout, state
             return state
 
 
-def _check_counts(num_steps: Any, drafter, max_new_tokens: Any, stream_cycles: Any) -> None:
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= MAX_NUM_STEPS:
-        raise ValueError(f"num_steps: expected an integer in [0, {MAX_NUM_STEPS}], got {num_steps!r}")
-    if num_steps and drafter is None:
-        raise ValueError(f"num_steps={num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
+def draft_shape(draft: Any, num_steps: Any, topk: Any, num_draft_tokens: Any, drafter) -> DraftShape:
+    """The call's draft shape: `draft` (a DraftShape or a chain's depth), else the three keywords; checked against
+    the drafter (a draft needs one; a tree's topk at most its vocabulary)."""
+    if draft is None:
+        shape = DraftShape(num_steps, topk, num_draft_tokens)
+    elif isinstance(draft, DraftShape | int) and not isinstance(draft, bool):
+        shape = DraftShape.of(draft)
+    else:
+        raise ValueError(f"draft: expected a DraftShape or a chain's depth (an int), got {draft!r}")
+    if drafter is None:
+        if not shape.plain:
+            raise ValueError(f"num_steps={shape.num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
+        return shape
+    return shape.check_drafter(drafter.config.draft_vocab_size)
+
+
+def _check_counts(max_new_tokens: Any, stream_cycles: Any) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
     if isinstance(stream_cycles, bool) or not isinstance(stream_cycles, int) or stream_cycles < 1:
         raise ValueError(f"stream_cycles: expected an integer >= 1, got {stream_cycles!r}")
-
-
-def check_tree(num_steps: int, topk: Any, num_draft_tokens: Any, drafter) -> int:
-    """Validate the tree settings; returns the verify step's token count (num_steps + 1 for a chain)."""
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"topk: expected an integer in [1, {MAX_TOPK}] (1 = a chain), got {topk!r}")
-    if topk > 1 and num_steps == 0:
-        raise ValueError(f"topk={topk} drafts a tree: it needs num_steps >= 1 (num_steps=0 is plain decoding)")
-    if topk > 1 and drafter is not None and topk > drafter.config.draft_vocab_size:
-        raise ValueError(f"topk: expected at most the draft vocabulary ({drafter.config.draft_vocab_size}), got {topk}")
-    candidates = tree.num_candidates(topk, num_steps)
-    if num_draft_tokens is None:
-        return min(candidates, MAX_DRAFT_TOKENS - 1) + 1 if topk > 1 else num_steps + 1
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
-        raise ValueError(f"num_draft_tokens: expected an integer, got {num_draft_tokens!r}")
-    if topk == 1 and num_draft_tokens != num_steps + 1:
-        raise ValueError(
-            f"num_draft_tokens: a chain (topk=1) verifies num_steps + 1 = {num_steps + 1} tokens, got "
-            f"{num_draft_tokens} (set topk > 1 for a tree)"
-        )
-    if not 2 <= num_draft_tokens <= min(candidates + 1, MAX_DRAFT_TOKENS):
-        raise ValueError(
-            f"num_draft_tokens: expected 2..{min(candidates + 1, MAX_DRAFT_TOKENS)} (the root plus at most topk + "
-            f"(num_steps - 1) * topk**2 = {candidates} candidates, verified tokens capped at {MAX_DRAFT_TOKENS}), "
-            f"got {num_draft_tokens}"
-        )
-    return num_draft_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +239,9 @@ class _Layout:
     buffer: int
 
     @classmethod
-    def of(cls, ids: list[list[int]], target, max_new_tokens: int, num_steps: int, verify_tokens: int) -> _Layout:
-        """Check the prompts against the target's vocabulary and context, and bucket the shapes (a verify step
-        writes `verify_tokens` cache slots past a row's length)."""
+    def of(cls, ids: list[list[int]], target, max_new_tokens: int, draft: DraftShape) -> _Layout:
+        """Check the prompts against the target's vocabulary and context, and bucket the shapes (a cycle writes
+        `draft.lookahead` cache slots past a row's length)."""
         cfg = target.config
         for i, p in enumerate(ids):
             if min(p) < 0 or max(p) >= cfg.vocab_size:
@@ -269,37 +250,21 @@ class _Layout:
                 )
         longest = max(len(p) for p in ids)
         prompt = bucket(longest, MIN_PROMPT_BUCKET)
-        if longest + max_new_tokens + num_steps + 1 > cfg.max_position_embeddings:
+        if longest + max_new_tokens + draft.num_steps + 1 > cfg.max_position_embeddings:
             raise ValueError(
-                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + num_steps {num_steps} exceeds the "
-                f"context of {cfg.max_position_embeddings} positions"
+                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + num_steps {draft.num_steps} exceeds "
+                f"the context of {cfg.max_position_embeddings} positions"
             )
         data = target.mesh.shape[DATA]
         # Small batches to powers of two, larger ones to multiples of 8 (bounded padding); always whole data shards.
         batch = bucket(len(ids)) if len(ids) <= 8 else -(-len(ids) // 8) * 8
         batch = -(-batch // data) * data
-        return cls(batch, prompt, bucket(prompt + max_new_tokens + max(num_steps, verify_tokens - 1) + 2))
+        return cls(batch, prompt, bucket(prompt + max_new_tokens + draft.lookahead + 1))
 
     @property
     def chunk(self) -> int:
         """Prompt positions per prefill chunk."""
         return min(PREFILL_CHUNK, self.prompt)
-
-    def state_in(self, ids: list[list[int]], target, max_new_tokens: int, seed: int) -> dict[str, jax.Array]:
-        """The loop's inputs: padded prompts and per-row lengths and budgets, replicated on the target's mesh."""
-        tokens = np.zeros((self.batch, self.buffer), np.int32)
-        prompt_len = np.ones((self.batch,), np.int32)
-        for i, p in enumerate(ids):
-            tokens[i, : len(p)] = p
-            prompt_len[i] = len(p)
-        rep = NamedSharding(target.mesh, P())
-        return {
-            "tokens_BS": jax.device_put(tokens, rep),
-            "prompt_len_B": jax.device_put(prompt_len, rep),
-            "max_new_B": jax.device_put(np.full((self.batch,), max_new_tokens, np.int32), rep),
-            "pad_B": jax.device_put(np.arange(self.batch) >= len(ids), rep),
-            "key": jax.device_put(jax.random.key(int(seed)), rep),
-        }
 
 
 def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:

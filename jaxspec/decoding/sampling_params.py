@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own): the width of the loop state's stop_ids
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:

@@ -22,65 +22,16 @@ Token bookkeeping: `tokens_BS[b, :length_B[b]]` are processed by the target (its
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.decoding import tree
 from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
 from jaxspec.decoding.sampling import RowSampling, Sampling, sample, sample_rows, warp, warp_rows
+from jaxspec.decoding.state import LoopConfig, LoopState
 from jaxspec.models.eagle3 import concat_captured
 from jaxspec.runtime import Drafter, Target
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-    """Static settings of one compiled loop (each distinct value compiles its own program)."""
-
-    num_steps: int  # J: draft tokens per cycle; 0 = plain decoding
-    sampling: Sampling | None  # None: per-row settings from LoopState.row_sampling (the serving engine)
-    stop_ids: tuple[int, ...]
-    prompt_bucket: int  # padded prompt length (a multiple of prefill_chunk)
-    prefill_chunk: int
-    topk: int = 1  # > 1: tree drafts, `topk` children per frontier node (decoding/tree.py)
-    num_draft_tokens: int = 0  # tree drafts: nodes verified per cycle, the root included (0 for chains)
-
-    @property
-    def tree(self) -> bool:
-        return self.topk > 1
-
-
-@struct.dataclass
-class LoopState:
-    """Everything the loop carries between cycles (a pytree; B = padded batch, S = token buffer length)."""
-
-    tokens_BS: jax.Array  # int32 prompt + generated tokens; the pending token sits at index length_B
-    prompt_len_B: jax.Array  # int32
-    length_B: jax.Array  # int32: positions the target has processed (and cached)
-    end_B: jax.Array  # int32: exclusive end of the generated tokens (length + 1 while running)
-    max_new_B: jax.Array  # int32: generation budget per sequence
-    done_B: jax.Array  # bool: stopped, out of budget, or a padding row
-    target_cache: jax.Array  # [L, B, S, Y] target latent KV cache
-    draft_cache: Any  # drafter (k, v) cache, or None when J = 0
-    draft_B: jax.Array  # int32 (target ids): the next cycle's first draft token (chains)
-    # Chains: float32 [B, V], the draft distribution of draft_B over the target vocabulary ([B, 1] when unused).
-    # Trees: float32 [B, U], the drafter's logits at the next root (its children are that cycle's first expansion).
-    draft_q_BV: jax.Array
-    hidden_BD: jax.Array  # drafter h2 at the last processed position (input of the next draft step)
-    key: jax.Array
-    cycles: jax.Array  # int32 scalar
-    reached_J: jax.Array  # int32 [J]: how often draft position j+1 was verified (all before it accepted)
-    accepted_J: jax.Array  # int32 [J]: how often it was accepted
-    accept_hist_T: jax.Array  # int32 [J+1] (= a verify step's T): cycles that accepted exactly t draft tokens
-    # Per-row requests (LoopConfig.sampling None): sampling settings, and each row's own stop token ids (int32
-    # [B, max stop ids], -1 = none); `key` is then one key per row [B], so a row's random draws depend only on its
-    # own seed and history.
-    row_sampling: RowSampling | None = None
-    stop_ids: jax.Array | None = None
 
 
 class SpecLoop:
@@ -92,7 +43,7 @@ class SpecLoop:
     def __init__(self, target: Target, drafter: Drafter | None = None):
         self.target, self.drafter = target, drafter
         self.traces = 0
-        self.prefill = jax.jit(self._prefill_impl, static_argnums=0, donate_argnums=(3, 4))
+        self.prefill = jax.jit(self._prefill_impl, static_argnums=0, donate_argnums=3)
         self.run = jax.jit(self._run_impl, static_argnums=0, donate_argnums=3)
         self.prefill_slot = jax.jit(self._prefill_slot_impl, static_argnums=0, donate_argnums=3)
 
@@ -105,119 +56,70 @@ class SpecLoop:
         return target_forward(self.target, tparams, tokens_BT, pos_BT, cache, capture=capture, greedy=_greedy(cfg))
 
     # ------------------------------------------------------------------ prefill
-    def _prefill_impl(self, cfg: LoopConfig, tparams, dparams, target_cache, draft_cache, state_in):
-        """Process the prompts in chunks; emit each sequence's first token and the drafter's first draft."""
+    def _prefill_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState) -> LoopState:
+        """Process every row's prompt in chunks (`LoopState.with_prompts`); emit each row's first token and the
+        drafter's first draft. Padding rows (done) stay done."""
         self.traces += 1
-        tokens_BS, prompt_len_B, key = state_in["tokens_BS"], state_in["prompt_len_B"], state_in["key"]
-        B = tokens_BS.shape[0]
-        chunk, J = cfg.prefill_chunk, cfg.num_steps
-        use_drafter = self._uses_drafter(cfg)
-        D = self.drafter.config.hidden_size if use_drafter else 1
-        V = self.target.vocab_size if not _greedy(cfg) and use_drafter else 1
-        V = self.drafter.config.draft_vocab_size if use_drafter and cfg.tree else V
+        chunk = cfg.prefill_chunk
 
-        def body(carry, c):
-            return self._prefill_chunk(cfg, cfg.sampling, tparams, dparams, carry, c * chunk, prompt_len_B), None
+        def body(s, c):
+            return self._prefill_chunk(cfg, tparams, dparams, s, c * chunk), None
 
-        hidden_dtype = self.drafter.dtype if use_drafter else jnp.float32
-        carry = (
-            tokens_BS,
-            target_cache,
-            draft_cache,
-            jnp.zeros((B,), jnp.int32),
-            jnp.zeros((B, V), jnp.float32),
-            jnp.zeros((B, D), hidden_dtype),
-            key,
-        )
-        carry, _ = jax.lax.scan(body, carry, jnp.arange(cfg.prompt_bucket // chunk, dtype=jnp.int32))
-        tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
-        first_B = jnp.take_along_axis(tokens_BS, prompt_len_B[:, None], axis=1)[:, 0]
-        max_new_B = state_in["max_new_B"]
-        done_B = state_in["pad_B"] | _is_stop(first_B, cfg, None) | (max_new_B <= 1)
-        return LoopState(
-            tokens_BS=tokens_BS,
-            prompt_len_B=prompt_len_B,
-            length_B=prompt_len_B,
-            end_B=prompt_len_B + 1,
-            max_new_B=max_new_B,
-            done_B=done_B,
-            target_cache=tcache,
-            draft_cache=dcache,
-            draft_B=draft_B,
-            draft_q_BV=q_BV,
-            hidden_BD=hidden_BD,
-            key=key,
-            cycles=jnp.zeros((), jnp.int32),
-            reached_J=jnp.zeros((J,), jnp.int32),
-            accepted_J=jnp.zeros((J,), jnp.int32),
-            accept_hist_T=jnp.zeros((J + 1,), jnp.int32),
-        )
+        state, _ = jax.lax.scan(body, state, jnp.arange(cfg.prompt_bucket // chunk, dtype=jnp.int32))
+        return state.replace(done_B=state.done_B | self._ends_at_first(cfg, state))
 
     def _prefill_slot_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, slot, start) -> LoopState:
         """One prefill chunk (positions start..start+chunk) of row `slot` of a per-row state (LoopConfig.sampling
-        None), for the serving engine: every other row keeps its state. The row must be admitted (tokens, prompt_len,
-        sampling, stop ids, key set) and done (so cycles skip it) while its chunks run in order; the chunk holding
-        its last prompt position sets its first token and draft, and makes it active unless that token ends it."""
+        None), for the serving engine: every other row keeps its state. The row must be admitted (`LoopState.admit`)
+        and done (so cycles skip it) while its chunks run in order; the chunk holding its last prompt position sets
+        its first token and draft, and makes it active unless that token ends it."""
         self.traces += 1
-        row = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis)  # noqa: E731
-        put = lambda x, new, axis=0: jax.lax.dynamic_update_slice_in_dim(x, new, slot, axis=axis)  # noqa: E731
-        dcache = None if state.draft_cache is None else tuple(row(c) for c in state.draft_cache)
-        prompt_len = row(state.prompt_len_B)
-        carry = (row(state.tokens_BS), row(state.target_cache, 1), dcache, row(state.draft_B), row(state.draft_q_BV))
-        carry += (row(state.hidden_BD), row(state.key))
-        sampling = jax.tree.map(row, state.row_sampling)
-        tokens, tcache, dcache, draft, q, hidden, key = self._prefill_chunk(
-            cfg, sampling, tparams, dparams, carry, start, prompt_len
-        )
-        first = jnp.take_along_axis(tokens, prompt_len[:, None], axis=1)[:, 0]
-        ends = _is_stop(first, cfg, row(state.stop_ids)) | (row(state.max_new_B) <= 1)
-        done = jnp.where(prompt_len - 1 < start + cfg.prefill_chunk, ends, True)
-        if dcache is not None:
-            dcache = tuple(put(c, n) for c, n in zip(state.draft_cache, dcache, strict=True))
-        return state.replace(
-            tokens_BS=put(state.tokens_BS, tokens),
-            target_cache=put(state.target_cache, tcache, 1),
-            draft_cache=dcache,
-            draft_B=put(state.draft_B, draft),
-            draft_q_BV=put(state.draft_q_BV, q),
-            hidden_BD=put(state.hidden_BD, hidden),
-            key=put(state.key, key),
-            done_B=put(state.done_B, done),
-        )
+        row = self._prefill_chunk(cfg, tparams, dparams, state.window(1, start=slot), start)
+        last_chunk = row.prompt_len_B - 1 < start + cfg.prefill_chunk
+        row = row.replace(done_B=jnp.where(last_chunk, self._ends_at_first(cfg, row), True))
+        return state.put(row, start=slot)
 
-    def _prefill_chunk(self, cfg: LoopConfig, sampling, tparams, dparams, carry, start, prompt_len_B):
+    def _ends_at_first(self, cfg: LoopConfig, s: LoopState) -> jax.Array:
+        """Rows [B] whose first generated token ends them (a stop id, or a budget of one token)."""
+        first_B = jnp.take_along_axis(s.tokens_BS, s.prompt_len_B[:, None], axis=1)[:, 0]
+        return _is_stop(first_B, cfg, s.stop_ids) | (s.max_new_B <= 1)
+
+    def _prefill_chunk(self, cfg: LoopConfig, tparams, dparams, s: LoopState, start) -> LoopState:
         """Prompt positions start..start+chunk of every row into the caches. A row whose last prompt position falls
         in this chunk gets its first generated token, its first draft (and q) and the drafter's hidden state."""
-        tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key = carry
+        tokens_BS, prompt_len_B, sampling = s.tokens_BS, s.prompt_len_B, _sampling(cfg, s)
         B, S = tokens_BS.shape
         chunk = cfg.prefill_chunk
         last_B = prompt_len_B - 1
         pos_BT = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, chunk, axis=1)
-        out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, tcache, cfg)
+        out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, s.target_cache, cfg)
         # The first generated token comes from the last prompt position, if it falls in this chunk.
-        key, k1, k2 = _split(key, 3)
+        key, k1, k2 = _split(s.key, 3)
         in_chunk_B = (last_B >= start) & (last_B < start + chunk)
         row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
         first_B = _choose_target(k1, out_B, sampling)
         at_first_BS = in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None])
-        tokens_BS = jnp.where(at_first_BS, first_B[:, None], tokens_BS)
-        if self._uses_drafter(cfg):
-            # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
-            next_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start + 1, chunk, axis=1)
-            aux_BTI = concat_captured(captured)
-            if cfg.tree:  # the next root's logits: the first cycle expands its top-k
-                dq_BV, h2_BD, dcache = extend_logits(self.drafter, dparams, next_BT, aux_BTI, pos_BT, dcache, row_B)
-                d_B = draft_B
-            else:
-                d_B, dq_BV, h2_BD, dcache = draft_extend(
-                    self.drafter, dparams, next_BT, aux_BTI, pos_BT, dcache, row_B, k2, sampling
-                )
-            draft_B = jnp.where(in_chunk_B, d_B, draft_B)
-            q_BV = jnp.where(in_chunk_B[:, None], dq_BV, q_BV)
-            hidden_BD = jnp.where(in_chunk_B[:, None], h2_BD.astype(hidden_BD.dtype), hidden_BD)
-        return tokens_BS, tcache, dcache, draft_B, q_BV, hidden_BD, key
+        s = s.replace(tokens_BS=jnp.where(at_first_BS, first_B[:, None], tokens_BS), target_cache=tcache, key=key)
+        if not self._uses_drafter(cfg):
+            return s
+        # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
+        next_BT = jax.lax.dynamic_slice_in_dim(s.tokens_BS, start + 1, chunk, axis=1)
+        aux_BTI = concat_captured(captured)
+        if cfg.tree:  # the next root's logits: the first cycle expands its top-k
+            dq_BV, h2_BD, dcache = extend_logits(self.drafter, dparams, next_BT, aux_BTI, pos_BT, s.draft_cache, row_B)
+            d_B = s.draft_B
+        else:
+            d_B, dq_BV, h2_BD, dcache = draft_extend(
+                self.drafter, dparams, next_BT, aux_BTI, pos_BT, s.draft_cache, row_B, k2, sampling
+            )
+        return s.replace(
+            draft_cache=dcache,
+            draft_B=jnp.where(in_chunk_B, d_B, s.draft_B),
+            draft_q_BV=jnp.where(in_chunk_B[:, None], dq_BV, s.draft_q_BV),
+            hidden_BD=jnp.where(in_chunk_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
+        )
 
     # ------------------------------------------------------------------ the cycle loop
     def _run_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, max_cycles):

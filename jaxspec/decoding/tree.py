@@ -160,11 +160,6 @@ def expand(
     )
 
 
-def num_candidates(topk: int, num_steps: int) -> int:
-    """Candidates a draft of `num_steps` steps holds: topk from the root, then topk**2 per further step."""
-    return topk + (num_steps - 1) * topk * topk if num_steps else 0
-
-
 def _candidate_depths(topk: int, num_candidates: int) -> np.ndarray:
     """Depth of each candidate index (static: step 1 holds topk candidates, each later step topk**2)."""
     steps = 1 + (num_candidates - topk) // (topk * topk)

@@ -80,9 +80,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str =
     async def lifespan(app: FastAPI):
         engine.start()
         log.info(
-            "engine started: %d slots, k = %d, chat format %s",
+            "engine started: %d slots, draft %s, chat format %s",
             engine.config.max_batch,
-            engine.config.num_steps,
+            engine.config.draft.label,
             chat_format,
         )
         yield
@@ -273,7 +273,7 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         if not prompt:
             raise _BadRequest(f"{where}: expected a non-empty prompt", where)
         _check_ids(prompt, vocab, where)
-        room = cfg.max_context - len(prompt) - cfg.lookahead - 1
+        room = cfg.max_context - len(prompt) - cfg.draft.lookahead - 1
         max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
         problem = engine.check(len(prompt), max_tokens)
         if problem:

@@ -24,17 +24,17 @@ import time
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jaxspec.decoding.draft_shape import DraftShape
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
     """The server's metrics; `render()` is the /metrics body."""
 
-    def __init__(
-        self, num_steps: int, slots: int, *, topk: int = 1, verify_tokens: int | None = None, window: float = 10.0
-    ):
-        """`num_steps`: draft tokens per cycle (a tree's depth); `topk` > 1: tree drafts verifying `verify_tokens`
-        nodes (default num_steps + 1, a chain's verify)."""
+    def __init__(self, draft: DraftShape, slots: int, *, window: float = 10.0):
+        """`draft`: what every cycle drafts; `slots`: the compiled batch."""
+        num_steps = draft.num_steps
         self.registry = r = CollectorRegistry()
         self.window = window
         self.tokens = Counter("jaxspec_generated_tokens", "Tokens generated and handed to clients", registry=r)
@@ -57,10 +57,9 @@ class Metrics:
         self.occupancy = Gauge("jaxspec_batch_occupancy", "Slots holding a request", registry=r)
         Gauge("jaxspec_slots", "Slots (the compiled batch)", registry=r).set(slots)
         Gauge("jaxspec_num_steps", "Draft tokens per cycle (k; a tree's depth)", registry=r).set(num_steps)
-        Gauge("jaxspec_topk", "Children per frontier node (1 = chain drafts)", registry=r).set(topk)
-        verify = verify_tokens if verify_tokens is not None else num_steps + 1
+        Gauge("jaxspec_topk", "Children per frontier node (1 = chain drafts)", registry=r).set(draft.topk)
         Gauge("jaxspec_verify_tokens", "Tokens one verify step takes (chain: k+1; tree: its nodes)", registry=r).set(
-            verify
+            draft.verify_tokens
         )
         self.ttft = Histogram(
             "jaxspec_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r

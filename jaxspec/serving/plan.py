@@ -23,9 +23,8 @@ import json
 from typing import Any
 
 from jaxspec.decoding.draft_shape import DraftShape
-from jaxspec.decoding.sampling_params import Sampling
+from jaxspec.decoding.sampling_params import MAX_STOP_IDS, Sampling
 
-MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own): the width of the loop state's stop_ids
 FORMAT = 1  # the serialised form's version (`to_bytes` writes it, `from_bytes` checks it)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jaxspec.serving.engine import MAX_STOP_IDS
+from jaxspec.serving.plan import MAX_STOP_IDS
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
 from jaxspec.serving.engine import EngineConfig, QueueFull, Request
 from tests.serving.conftest import NUM_STEPS, warm_engine
@@ -16,7 +17,7 @@ from tests.serving.conftest import NUM_STEPS, warm_engine
 CONFIG = EngineConfig(
     max_batch=2,
     max_context=128,
-    num_steps=NUM_STEPS,
+    draft=DraftShape(NUM_STEPS),
     prefill_chunk=16,
     segment_cycles=2,
     max_queue=6,
@@ -75,7 +76,7 @@ def test_cancel_frees_the_slot_and_the_other_request_is_unaffected(engine, promp
     engine.run_until_idle()
     assert queued.finish_reason == "cancelled" and queued.tokens == []
     assert keep.tokens == reference(keep.prompt, 14)
-    assert engine.slots == [None, None]
+    assert engine.scheduler.slots == [None, None]
 
 
 def test_bounded_queue_and_bad_requests(engine, prompts):

@@ -1,10 +1,11 @@
-"""The slot engine drafting trees (EngineConfig.topk > 1): continuous batching with a tree cycle in every segment.
+"""The slot engine drafting trees (EngineConfig.draft a tree): continuous batching with a tree cycle in every segment.
 Greedy output equals the single-request `jaxspec.generate` output whatever shares the batch, sampled requests come out
 the same alone and in a batch (tree acceptance walks the tree with each row's own key), and the segments switch
 between the static-greedy and the per-row program as sampled requests come and go."""
 
 import pytest
 
+from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving.engine import EngineConfig, Request
 from tests.serving.conftest import warm_engine
@@ -13,9 +14,7 @@ from tests.serving.conftest import warm_engine
 CONFIG = EngineConfig(
     max_batch=2,
     max_context=128,
-    num_steps=3,
-    topk=2,
-    num_draft_tokens=6,
+    draft=DraftShape(3, topk=2, num_draft_tokens=6),
     prefill_chunk=16,
     segment_cycles=2,
     max_queue=6,
@@ -42,18 +41,20 @@ def test_tree_engine_greedy_equals_generate_and_sampling_is_batch_independent(en
     engine.submit(alone)
     engine.run_until_idle()
     assert alone.tokens == sampled.tokens and len(alone.tokens) > 0
-    assert engine.loop_cfg.tree and engine.loop_cfg.num_draft_tokens == 6
-    cycles, reached, accepted = (int(engine.state.cycles), engine.state.reached_J, engine.state.accepted_J)
+    state = engine.executor.state
+    assert engine.executor.per_row.tree and engine.executor.per_row.num_draft_tokens == 6
+    cycles, reached, accepted = (int(state.cycles), state.reached_J, state.accepted_J)
     assert cycles > 0 and reached.shape == (3,) and int(accepted[0]) > 0  # per-depth counters of the tree
 
 
-def test_tree_settings_are_checked_by_name():
-    for kwargs, match in [
-        (dict(topk=2, num_draft_tokens=9), "EngineConfig.num_draft_tokens: expected 2..7"),
-        (dict(topk=0), "EngineConfig.topk"),
-        (dict(topk=2, num_steps=0), "EngineConfig.topk=2 drafts a tree"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            EngineConfig(**({"num_steps": 2} | kwargs))
-    # The context a request needs counts the tree's verify width (6 nodes) instead of num_steps + 1.
-    assert CONFIG.lookahead == 6 and EngineConfig(num_steps=3).lookahead == 4
+def test_engine_refuses_a_draft_that_is_not_a_shape():
+    with pytest.raises(ValueError, match="EngineConfig.draft: expected a DraftShape"):
+        EngineConfig(draft=3)
+
+
+def test_the_context_a_request_needs_counts_the_trees_verify_width(engine):
+    """A tree writes its 6 verified nodes past a row's length, not num_steps + 1 = 4: a request that fits a chain's
+    lookahead but not the tree's is refused."""
+    assert CONFIG.draft.lookahead == 6 and DraftShape(3).lookahead == 4
+    assert engine.check(100, 128 - 100 - 7) is None
+    assert "exceeds the context of 128" in engine.check(100, 128 - 100 - 6)

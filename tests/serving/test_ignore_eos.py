@@ -6,6 +6,7 @@ tokens counted but not shown (as vLLM with skip_special_tokens)."""
 import pytest
 from fastapi.testclient import TestClient
 
+from jaxspec.decoding import DraftShape
 from jaxspec.serving.app import create_app
 from jaxspec.serving.engine import Engine, EngineConfig
 from tests.serving.conftest import NUM_STEPS
@@ -18,7 +19,7 @@ def eos_and_app(pair, prompts, reference):
     target, drafter, tokenizer = pair
     ref = reference(prompts[1], 24)
     eos = next(t for i, t in enumerate(ref) if i >= 3 and t not in ref[:i] and ref.count(t) >= 2)
-    config = EngineConfig(max_batch=1, max_context=128, num_steps=NUM_STEPS, prefill_chunk=32, segment_cycles=2)
+    config = EngineConfig(max_batch=1, max_context=128, draft=DraftShape(NUM_STEPS), prefill_chunk=32, segment_cycles=2)
     engine = Engine(target, drafter, config, stop_ids=(*tokenizer.stop_ids, eos))
     engine.warmup(lambda _: None)
     with TestClient(create_app(engine, tokenizer, MODEL)) as client:

@@ -1,0 +1,270 @@
+"""The loop's static configuration and its state: `LoopConfig`, and `LoopState` with its one constructor, its row
+windows and its row writes.
+
+`LoopState` declares its own layout: each field says which axis holds the rows and which the positions (`_axes`),
+and everything that cuts the state into rows or positions (`window`, `put`) reads those declarations. The state is
+built in one place (`LoopState.empty`), then filled by prompts (`with_prompts`, for `generate`) or by one admitted
+request at a time (`admit`, for the serving engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.decoding.sampling import RowSampling, Sampling
+from jaxspec.decoding.sampling_params import MAX_STOP_IDS
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static settings of one compiled loop (each distinct value compiles its own program)."""
+
+    draft: DraftShape  # what a cycle drafts and verifies (DraftShape(0): plain decoding)
+    sampling: Sampling | None  # None: per-row settings from LoopState.row_sampling (the serving engine)
+    stop_ids: tuple[int, ...]
+    prompt_bucket: int  # padded prompt length (a multiple of prefill_chunk)
+    prefill_chunk: int
+
+    def __post_init__(self):
+        if not isinstance(self.draft, DraftShape):
+            raise ValueError(f"LoopConfig.draft: expected a DraftShape, got {self.draft!r}")
+
+    @property
+    def num_steps(self) -> int:
+        """J: drafter steps per cycle (a chain's draft tokens; a tree's depth)."""
+        return self.draft.num_steps
+
+    @property
+    def topk(self) -> int:
+        return self.draft.topk
+
+    @property
+    def tree(self) -> bool:
+        return self.draft.tree
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens one verify step takes (the root included)."""
+        return self.draft.verify_tokens
+
+
+def _axes(row: int | None, position: int | None = None) -> dict[str, Any]:
+    """A LoopState field's layout: its row (batch) axis and its position axis (None: it has none)."""
+    return {"metadata": {"row_axis": row, "position_axis": position}}
+
+
+@struct.dataclass
+class LoopState:
+    """Everything the loop carries between cycles (a pytree; B = padded batch, S = token buffer length)."""
+
+    tokens_BS: jax.Array = struct.field(**_axes(0, 1))  # int32 prompt + generated; the pending token at length_B
+    prompt_len_B: jax.Array = struct.field(**_axes(0))  # int32
+    length_B: jax.Array = struct.field(**_axes(0))  # int32: positions the target has processed (and cached)
+    end_B: jax.Array = struct.field(**_axes(0))  # int32: exclusive end of the generated tokens (length + 1 running)
+    max_new_B: jax.Array = struct.field(**_axes(0))  # int32: generation budget per sequence
+    done_B: jax.Array = struct.field(**_axes(0))  # bool: stopped, out of budget, a padding row or a free slot
+    target_cache: jax.Array = struct.field(**_axes(1, 2))  # [L, B, S, Y] target latent KV cache
+    draft_cache: Any = struct.field(**_axes(0, 1))  # drafter cache (arrays [B, S, ...]), or None when J = 0
+    draft_B: jax.Array = struct.field(**_axes(0))  # int32 (target ids): the next cycle's first draft token (chains)
+    # Chains: float32 [B, V], the draft distribution of draft_B over the target vocabulary ([B, 1] when unused).
+    # Trees: float32 [B, U], the drafter's logits at the next root (its children are that cycle's first expansion).
+    draft_q_BV: jax.Array = struct.field(**_axes(0))
+    hidden_BD: jax.Array = struct.field(**_axes(0))  # drafter h2 at the last processed position
+    key: jax.Array = struct.field(**_axes(0))  # one key (static sampling) or one per row [B] (per-row sampling)
+    cycles: jax.Array = struct.field(**_axes(None))  # int32 scalar
+    reached_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often draft position j+1 was verified
+    accepted_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often it was accepted
+    accept_hist_T: jax.Array = struct.field(**_axes(None))  # int32 [J+1]: cycles that accepted exactly t drafts
+    # Per-row requests (LoopConfig.sampling None): sampling settings, and each row's own stop token ids (int32
+    # [B, MAX_STOP_IDS], -1 = none); `key` is then one key per row, so a row's random draws depend only on its own
+    # seed and history.
+    row_sampling: RowSampling | None = struct.field(default=None, **_axes(0))
+    stop_ids: jax.Array | None = struct.field(default=None, **_axes(0))
+
+    # ------------------------------------------------------------------ the one constructor
+    @classmethod
+    def empty(
+        cls,
+        target,
+        drafter,
+        draft: DraftShape,
+        batch: int,
+        context: int,
+        *,
+        per_row: bool = False,
+        greedy: bool = False,
+        seed: int = 0,
+    ) -> LoopState:
+        """A state of `batch` rows and `context` positions with every row done (free), replicated on the target's
+        mesh. `per_row`: per-row sampling (greedy), stop ids (none) and keys (split from seed `seed`, until a
+        request is admitted there); else one key from `seed`. `greedy`: every program run on this state is greedy,
+        so a chain keeps no draft distribution. The drafter's cache exists when the draft uses the drafter."""
+        use_drafter = drafter is not None and not draft.plain
+        D = drafter.config.hidden_size if use_drafter else 1
+        V = 1
+        if use_drafter and draft.tree:  # the next root's draft logits
+            V = drafter.config.draft_vocab_size
+        elif use_drafter and not greedy:  # a sampled chain's draft distribution over the target vocabulary
+            V = target.vocab_size
+        hidden_dtype = drafter.dtype if use_drafter else jnp.float32
+        J = draft.num_steps
+        rows = cls._rows(target.mesh, batch, context, D, V, J, hidden_dtype, per_row, seed)
+        draft_cache = drafter.init_cache(batch, context) if use_drafter else None
+        return cls(target_cache=target.init_cache(batch, context), draft_cache=draft_cache, **rows)
+
+    @staticmethod
+    def _rows(mesh, B: int, S: int, D: int, V: int, J: int, hidden_dtype, per_row: bool, seed: int) -> dict:
+        """Every field but the caches, made on the devices in one program (replicated: the loop's bookkeeping runs
+        replicated, and a program that makes its own arrays places them on every process's devices alike)."""
+
+        def make(seed):
+            z = lambda dtype=jnp.int32: jnp.zeros((B,), dtype)  # noqa: E731
+            key = jax.random.key(seed)
+            fields = dict(
+                tokens_BS=jnp.zeros((B, S), jnp.int32),
+                prompt_len_B=z() + 1,
+                length_B=z(),
+                end_B=z() + 1,
+                max_new_B=z() + 1,
+                done_B=jnp.ones((B,), bool),
+                draft_B=z(),
+                draft_q_BV=jnp.zeros((B, V), jnp.float32),
+                hidden_BD=jnp.zeros((B, D), hidden_dtype),
+                key=jax.random.split(key, B) if per_row else key,
+                cycles=jnp.zeros((), jnp.int32),
+                reached_J=jnp.zeros((J,), jnp.int32),
+                accepted_J=jnp.zeros((J,), jnp.int32),
+                accept_hist_T=jnp.zeros((J + 1,), jnp.int32),
+            )
+            if per_row:
+                fields["row_sampling"] = RowSampling(z(jnp.float32), z(), z(jnp.float32) + 1)
+                fields["stop_ids"] = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
+            return fields
+
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return jax.jit(make, out_shardings=replicated)(place(np.uint32(seed), replicated))
+
+    def with_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> LoopState:
+        """Rows 0..len(prompts)-1 hold `prompts` (padded into the token buffer) with a budget of `max_new_tokens`;
+        the other rows stay done (padding). For `generate`: the prefill then runs every row at once."""
+        B, S = self.tokens_BS.shape
+        tokens = np.zeros((B, S), np.int32)
+        prompt_len = np.ones((B,), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            prompt_len[i] = len(p)
+        rep = self.tokens_BS.sharding
+        host = (tokens, prompt_len, np.int32(max_new_tokens), np.int32(len(prompts)))
+        return _fill(self, *(place(x, rep) for x in host))
+
+    # ------------------------------------------------------------------ rows (traceable)
+    def admit(self, row, init: RowInit) -> LoopState:
+        """Write one admitted request into row `row`: prompt, budget, sampling settings, stop ids, key. The row stays
+        done (cycles skip it) until its last prefill chunk; its length is the prompt length, so the positions that
+        riding-along cycles overwrite lie past the prompt (and are rewritten before they are read)."""
+        set_ = lambda x, v: x.at[row].set(v)  # noqa: E731
+        return self.replace(
+            tokens_BS=set_(self.tokens_BS, init.tokens_S),
+            prompt_len_B=set_(self.prompt_len_B, init.prompt_len),
+            length_B=set_(self.length_B, init.prompt_len),
+            end_B=set_(self.end_B, init.prompt_len + 1),
+            max_new_B=set_(self.max_new_B, init.max_new),
+            done_B=set_(self.done_B, True),
+            key=set_(self.key, jax.random.key(init.seed)),
+            row_sampling=jax.tree.map(set_, self.row_sampling, init.sampling),
+            stop_ids=set_(self.stop_ids, init.stop_ids),
+        )
+
+    def free(self, row) -> LoopState:
+        """Row `row` is done (its request left): cycles skip it."""
+        return self.replace(done_B=self.done_B.at[row].set(True))
+
+    def window(self, rows: int, positions: int | None = None, start=0) -> LoopState:
+        """The state of rows [start, start + rows) and positions [0, positions) (all, when None); the counters are
+        kept. `rows` and `positions` are static, `start` may be traced."""
+
+        def take(axes, x):
+            row, position = axes
+            if position is not None and positions is not None:
+                x = jax.lax.slice_in_dim(x, 0, positions, axis=position)
+            if row is None or x.ndim == 0:  # not per row (the counters; a static program's one key)
+                return x
+            return jax.lax.dynamic_slice_in_dim(x, start, rows, axis=row)
+
+        return self._map(take)
+
+    def put(self, part: LoopState, start=0) -> LoopState:
+        """Write `part`, a `window` of this state (rows from `start`, positions from 0), back in; the counters are
+        `part`'s."""
+
+        def write(axes, x, y):
+            row, _ = axes
+            if row is None or x.ndim == 0:
+                return y
+            at = [0] * x.ndim
+            at[row] = start
+            return jax.lax.dynamic_update_slice(x, y, tuple(at))
+
+        return self._map(write, part)
+
+    def _map(self, fn, *others: LoopState) -> LoopState:
+        """`fn((row_axis, position_axis), leaf, *other_leaves)` over every field's leaves."""
+        new = {}
+        for f in dataclasses.fields(self):
+            axes = (f.metadata["row_axis"], f.metadata["position_axis"])
+            leaves = (getattr(self, f.name), *(getattr(o, f.name) for o in others))
+            new[f.name] = jax.tree.map(lambda *xs, axes=axes: fn(axes, *xs), *leaves)
+        return self.replace(**new)
+
+
+@struct.dataclass
+class RowInit:
+    """One admitted request as the row values `LoopState.admit` writes (host arrays; a pytree)."""
+
+    tokens_S: Any  # int32 [S]: the prompt, zero-padded to the state's positions
+    prompt_len: Any  # int32
+    max_new: Any  # int32
+    sampling: RowSampling  # float32 / int32 / float32 scalars
+    stop_ids: Any  # int32 [MAX_STOP_IDS], -1 = none
+    seed: Any  # uint32
+
+    @classmethod
+    def of(cls, prompt, max_new: int, sampling: Sampling, stop_ids, seed: int, context: int) -> RowInit:
+        """A request's row for a state of `context` positions (validated by the caller: it fits)."""
+        tokens = np.zeros((context,), np.int32)
+        tokens[: len(prompt)] = prompt
+        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop[: len(stop_ids)] = stop_ids
+        row_sampling = RowSampling(
+            np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
+        )
+        return cls(tokens, np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
+
+
+def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array (the same on every process) as a global array of `sharding`: each process supplies only its own
+    devices' shards, so this works on a mesh that spans several processes, where `jax.device_put` does not."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+@jax.jit
+def _fill(state: LoopState, tokens_BS, prompt_len_B, max_new, count) -> LoopState:
+    """`with_prompts` on the devices (the host arrays placed like the state's fields)."""
+    pad_B = jnp.arange(state.done_B.shape[0]) >= count
+    return state.replace(
+        tokens_BS=tokens_BS,
+        prompt_len_B=prompt_len_B,
+        length_B=prompt_len_B,
+        end_B=prompt_len_B + 1,
+        max_new_B=jnp.full_like(state.max_new_B, max_new),
+        done_B=pad_B,
+    )
