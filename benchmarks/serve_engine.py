@@ -57,12 +57,15 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/serve_engine.json"))
     args = p.parse_args()
     if args.tree:
-        from jaxspec.profiling.cost_model import TreeShape
+        from jaxspec.decoding import DraftShape
 
-        shape = TreeShape.parse(args.tree)
+        shape = DraftShape.parse(args.tree)
+        if not shape.tree:
+            p.error(f"--tree: {args.tree!r} is a chain (topk 1); give STEPS:TOPK:TOKENS with TOPK > 1")
         VARIANTS.pop("old")
-        VARIANTS["tree"] = dict(topk=shape.topk, num_draft_tokens=shape.num_draft_tokens, tree_steps=shape.num_steps)
+        VARIANTS["tree"] = dict(draft=shape)
     from jaxspec import bundled
+    from jaxspec.decoding import DraftShape
     from jaxspec.serving.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = bundled.load_pair()
@@ -73,9 +76,9 @@ def main() -> None:
             if name == "tree" and not k:
                 continue
             options = dict(options)
-            steps = options.pop("tree_steps", k)
-            config = EngineConfig(max_batch=8, max_context=512, num_steps=steps, batch_buckets=(1, 8), **options)
-            engine = Engine(target, drafter if k else None, config, stop_ids=tokenizer.stop_ids)
+            draft = options.pop("draft", DraftShape(k))
+            config = EngineConfig(max_batch=8, max_context=512, draft=draft, batch_buckets=(1, 8), **options)
+            engine = Engine(target, None if draft.plain else drafter, config, stop_ids=tokenizer.stop_ids)
             warmup[f"{name} k={k}"] = engine.warmup(lambda _: None)
             engines[(k, name)] = engine
     rates, outputs = collections.defaultdict(list), {}

@@ -18,8 +18,10 @@ import json
 import platform
 from pathlib import Path
 
-CHAINS = [(2, 1, 3), (3, 1, 4), (4, 1, 5), (5, 1, 6)]  # (num_steps, topk, num_draft_tokens)
-TREES = [(3, 2, 5), (3, 2, 7), (4, 2, 8), (5, 2, 10), (3, 3, 8), (4, 3, 12), (6, 4, 16)]
+from jaxspec.decoding import DraftShape
+
+CHAINS = [DraftShape(k) for k in (2, 3, 4, 5)]
+TREES = [DraftShape(*t) for t in [(3, 2, 5), (3, 2, 7), (4, 2, 8), (5, 2, 10), (3, 3, 8), (4, 3, 12), (6, 4, 16)]]
 VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
@@ -40,17 +42,15 @@ def main() -> None:
     prompts = bundled.prompts()[: args.prompts]
     configs = CHAINS + TREES
 
-    def run(prompt: str, cfg: tuple[int, int, int]):
-        steps, topk, draft_tokens = cfg
-        tree = dict(topk=topk, num_draft_tokens=draft_tokens) if topk > 1 else {}
+    def run(prompt: str, shape: DraftShape):
         return generate(
-            target, drafter, [prompt], max_new_tokens=args.max_new_tokens, num_steps=steps, tokenizer=tokenizer, **tree
+            target, drafter, [prompt], draft=shape, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer
         ).stats
 
     for prompt in prompts:  # compile every bucket of every configuration
         for cfg in configs:
             run(prompt, cfg)
-    runs: dict[tuple, list] = {cfg: [] for cfg in configs}
+    runs: dict[DraftShape, list] = {cfg: [] for cfg in configs}
     for _ in range(args.repeats):
         for prompt in prompts:
             for cfg in configs:
@@ -89,18 +89,18 @@ def main() -> None:
     print(_markdown(record))
 
 
-def _row(cfg: tuple[int, int, int], stats: list[dict]) -> dict:
-    steps, topk, draft_tokens = cfg
+def _row(shape: DraftShape, stats: list[dict]) -> dict:
     tokens, cycles = sum(s["new_tokens"] for s in stats), sum(s["cycles"] for s in stats)
-    return {
-        "num_steps": steps,
-        "topk": topk,
-        "num_draft_tokens": draft_tokens,
-        "tok_s": tokens / sum(s["seconds"] for s in stats),
-        # tokens committed per cycle (accepted drafts + the bonus); the prefill's first token is not a cycle's
-        "accepted_length": (tokens - len(stats)) / max(cycles, 1),
-        "ms_per_cycle": 1e3 * sum(s["seconds"] for s in stats) / max(cycles, 1),
-    }
+    return (
+        {"draft": shape.label}
+        | shape.to_dict()
+        | {
+            "tok_s": tokens / sum(s["seconds"] for s in stats),
+            # tokens committed per cycle (accepted drafts + the bonus); the prefill's first token is not a cycle's
+            "accepted_length": (tokens - len(stats)) / max(cycles, 1),
+            "ms_per_cycle": 1e3 * sum(s["seconds"] for s in stats) / max(cycles, 1),
+        }
+    )
 
 
 def _markdown(r: dict) -> str:

@@ -23,11 +23,12 @@ RECOMMENDED_WITHIN = 0.03
 
 def verdict(report: dict) -> list[str]:
     """The criteria a tuning report misses (empty when it meets them all)."""
-    from jaxspec.profiling.tune import row_label
+    from jaxspec.profiling.tune import report_rows, row_shape
 
-    rows = report["rows"] + report.get("tree_rows", [])
+    rows = report_rows(report)
+    label = lambda r: row_shape(r).label
     misses = [
-        f"{row_label(r)}: predicted {r['predicted_tok_s']:.1f} vs measured {r['measured_tok_s']:.1f} tok/s "
+        f"{label(r)}: predicted {r['predicted_tok_s']:.1f} vs measured {r['measured_tok_s']:.1f} tok/s "
         f"({r['gap']:+.1%}, over {MAX_GAP:.0%})"
         for r in rows
         if abs(r["gap"]) > MAX_GAP
@@ -36,8 +37,8 @@ def verdict(report: dict) -> list[str]:
     rec = max(rows, key=lambda r: r["predicted_tok_s"])  # the recommendation
     if rec["measured_tok_s"] < (1 - RECOMMENDED_WITHIN) * best["measured_tok_s"]:
         misses.append(
-            f"recommended {row_label(rec)} measured {rec['measured_tok_s']:.1f} tok/s, more than "
-            f"{RECOMMENDED_WITHIN:.0%} below the measured best {row_label(best)} ({best['measured_tok_s']:.1f})"
+            f"recommended {label(rec)} measured {rec['measured_tok_s']:.1f} tok/s, more than "
+            f"{RECOMMENDED_WITHIN:.0%} below the measured best {label(best)} ({best['measured_tok_s']:.1f})"
         )
     return misses
 
@@ -55,10 +56,8 @@ def main() -> int:
 
     target, drafter, tokenizer = bundled.load_pair()
     prompts = [tokenizer.encode(text) for text in bundled.prompts()[:BUNDLED_PROMPTS]]
-    trees = parse_trees(args.trees) if args.trees else ()
-    report = tune(
-        target, drafter, prompts, range(args.max_k + 1), trees=trees, repeats=args.rounds, output_dir=args.output
-    )
+    drafts = [*range(args.max_k + 1), *(parse_trees(args.trees) if args.trees else ())]
+    report = tune(target, drafter, prompts, drafts, repeats=args.rounds, output_dir=args.output)
     misses = verdict(report)
     print(f"wrote {args.output / 'tune.json'}")
     print("criteria met" if not misses else "criteria missed:\n  " + "\n  ".join(misses))

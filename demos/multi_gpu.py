@@ -205,14 +205,14 @@ def restore(dst: Path, drafter_dir: Path, mesh, dtype):
     return target, drafter
 
 
-def choose_k(args, target, drafter, prompts: list[list[int]], out: Path, preset: dict) -> dict:
-    """Step 5: sweep k (and --trees) and return the recommended configuration (or --num-steps): generate's
-    num_steps, topk and num_draft_tokens."""
-    from jaxspec.profiling.tune import parse_trees, tune
+def choose_k(args, target, drafter, prompts: list[list[int]], out: Path, preset: dict):
+    """Step 5: sweep k (and --trees) and return the recommended DraftShape (or --num-steps' chain)."""
+    from jaxspec.decoding import DraftShape
+    from jaxspec.profiling.tune import parse_trees, report_rows, row_shape, tune
 
     if args.num_steps is not None:
         step(5, f"tuning skipped: --num-steps {args.num_steps}")
-        return {"num_steps": args.num_steps}
+        return DraftShape(args.num_steps)
     trees = parse_trees(args.trees) if args.trees else []
     also = f" and {len(trees)} tree shape(s)" if trees else ""
     step(5, f"tune k = 0..{args.max_k}{also} on {len(prompts)} prompt(s), {args.max_new_tokens} new tokens each")
@@ -220,39 +220,31 @@ def choose_k(args, target, drafter, prompts: list[list[int]], out: Path, preset:
         target,
         drafter,
         prompts,
-        range(0, args.max_k + 1),
-        trees=trees,
+        [*range(0, args.max_k + 1), *trees],
         max_new_tokens=args.max_new_tokens,
         output_dir=out,
         collective_preset=preset,
         repeats=1 if args.dry_run else 3,
     )
-    rows = report["rows"] + report["tree_rows"]
-    best = max(rows, key=lambda r: r["predicted_tok_s"])
-    plain = next(r for r in rows if r.get("k") == 0)["measured_tok_s"]
+    rows = {row_shape(r): r for r in report_rows(report)}
+    best = DraftShape.from_dict(report["recommended"])
+    measured, plain = rows[best]["measured_tok_s"], rows[DraftShape(0)]["measured_tok_s"]
     print(
-        f"recommended {report['recommended']['label']}: measured {best['measured_tok_s']:.1f} tok/s vs {plain:.1f} "
-        f"plain ({best['measured_tok_s'] / plain:.2f}x); wrote {out}/tune.json, tune.png"
+        f"recommended {best.label}: measured {measured:.1f} tok/s vs {plain:.1f} plain ({measured / plain:.2f}x); "
+        f"wrote {out}/tune.json, tune.png"
     )
-    return {key: report["recommended"][key] for key in ("num_steps", "topk", "num_draft_tokens")}
+    return best
 
 
-def generate_text(args, target, drafter, prompts: list[list[int]], tokenizer, config: dict) -> None:
-    """Step 6: generate with the chosen configuration and print the text and acceptance statistics."""
+def generate_text(args, target, drafter, prompts: list[list[int]], tokenizer, draft) -> None:
+    """Step 6: generate with the chosen DraftShape and print the text and acceptance statistics."""
     from jaxspec import generate
 
-    k = config["num_steps"]
-    tree = config.get("topk", 1) > 1
-    step(
-        6,
-        f"generate with k = {k}"
-        + (f", topk {config['topk']}, {config['num_draft_tokens']} draft tokens" if tree else ""),
-    )
-    kwargs = dict(tokenizer=tokenizer, max_new_tokens=args.max_new_tokens, num_steps=k)
-    if tree:
-        kwargs |= dict(topk=config["topk"], num_draft_tokens=config["num_draft_tokens"])
-    generate(target, drafter if k else None, prompts, **kwargs)  # compile (shapes are bucketed)
-    result = generate(target, drafter if k else None, prompts, **kwargs)
+    step(6, f"generate with {draft.label}")
+    kwargs = dict(tokenizer=tokenizer, max_new_tokens=args.max_new_tokens, draft=draft)
+    use = None if draft.plain else drafter
+    generate(target, use, prompts, **kwargs)  # compile (shapes are bucketed)
+    result = generate(target, use, prompts, **kwargs)
     for i, text in enumerate(result.text):
         print(f"--- [{i}]\n{tokenizer.decode(prompts[i])}{text}")
     s = result.stats
@@ -261,7 +253,7 @@ def generate_text(args, target, drafter, prompts: list[list[int]], tokenizer, co
         f"tok/s, {s['compiles']} compile(s)); mean accepted length {s['mean_accepted_length']:.2f}"
     )
     for j, (r, a) in enumerate(zip(s["reached"], s["accepted"], strict=True), start=1):
-        print(f"  draft {'depth' if tree else 'position'} {j}: reached {r}, accepted {a} ({a / max(r, 1):.0%})")
+        print(f"  draft {'depth' if draft.tree else 'position'} {j}: reached {r}, accepted {a} ({a / max(r, 1):.0%})")
 
 
 def run_abstract(args, preset: dict) -> int:
@@ -334,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         plan(KimiConfig.from_pretrained(args.src), mesh, dtype)
         convert(args.src, args.dst, dtype_name, args.verify)
         target, drafter = restore(args.dst, args.drafter, mesh, dtype)
-        config = choose_k(args, target, drafter, tune_prompts, args.dst / "tune", preset)
+        draft = choose_k(args, target, drafter, tune_prompts, args.dst / "tune", preset)
         if prompts:
-            generate_text(args, target, drafter, prompts, tokenizer, config)
+            generate_text(args, target, drafter, prompts, tokenizer, draft)
     finally:
         if tmp is not None:
             tmp.cleanup()

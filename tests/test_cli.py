@@ -58,6 +58,10 @@ def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path, capsys):
     assert "num_steps 2" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="needs --tune DIR"):
         main([*argv, "--num-steps", "auto", "--tune", str(tmp_path / "missing")])
+    bad = {"num_steps": 2, "topk": 1, "num_draft_tokens": 9}  # a chain of 2 verifies 3 tokens
+    (tmp_path / "tune.json").write_text(json.dumps({"recommended": bad}))
+    with pytest.raises(SystemExit, match="unreadable: num_draft_tokens: a chain"):
+        main([*argv, "--num-steps", "auto", "--tune", str(tmp_path)])
 
 
 def test_generate_num_steps_auto_takes_a_recommended_tree(tmp_path, capsys):

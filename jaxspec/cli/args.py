@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
+
+from jaxspec.decoding.draft_shape import DraftShape
 
 DTYPES = ("bfloat16", "float32")
 MODEL_HELP = "HF-layout checkpoint directory (config.json + safetensors)"
@@ -129,24 +132,35 @@ def check_target_args(args: argparse.Namespace, fail: Callable[[str], NoReturn])
             fail(f"--{e}")
 
 
+def draft_shape(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> DraftShape:
+    """The one draft shape of --num-steps (an integer by now), --topk and --num-draft-tokens, or `fail` with
+    DraftShape's message in flag names."""
+    try:
+        return DraftShape(args.num_steps, args.topk, args.num_draft_tokens)
+    except ValueError as e:
+        fail(re.sub(r"\b(topk|num_steps|num_draft_tokens)\b", lambda m: "--" + m[1].replace("_", "-"), str(e)))
+
+
 def auto_num_steps(args: argparse.Namespace, path: Path) -> int:
-    """--num-steps auto: the num_steps of the configuration tune.json at `path` recommends; when it is a tree and
-    neither --topk nor --num-draft-tokens was given, they are set to the tree's (an explicit one wins)."""
-    config = recommended_config(path)
-    if config["topk"] > 1 and args.topk == 1 and args.num_draft_tokens is None:
-        args.topk, args.num_draft_tokens = config["topk"], config["num_draft_tokens"]
-    return config["num_steps"]
+    """--num-steps auto: the num_steps of the shape tune.json at `path` recommends; when it is a tree and neither
+    --topk nor --num-draft-tokens was given, they are set to the tree's (an explicit one wins)."""
+    shape = recommended_shape(path)
+    if shape.tree and args.topk == 1 and args.num_draft_tokens is None:
+        args.topk, args.num_draft_tokens = shape.topk, shape.num_draft_tokens
+    return shape.num_steps
 
 
-def recommended_config(path: Path) -> dict[str, int]:
-    """The recommended draft configuration (a chain or a tree) in a tune.json: num_steps, topk, num_draft_tokens.
-    A tune.json from before tree sweeps holds a chain depth only (`recommended_k`)."""
+def recommended_shape(path: Path) -> DraftShape:
+    """The draft shape a tune.json recommends (`recommended`: num_steps, topk, num_draft_tokens). A tune.json from
+    before tree sweeps holds a chain depth only (`recommended_k`)."""
     report = json.loads(path.read_text())
-    if "recommended" in report:
-        return {key: int(report["recommended"][key]) for key in ("num_steps", "topk", "num_draft_tokens")}
-    if "recommended_k" in report:
-        k = int(report["recommended_k"])
-        return {"num_steps": k, "topk": 1, "num_draft_tokens": k + 1}
+    try:
+        if "recommended" in report:
+            return DraftShape.from_dict(report["recommended"])
+        if "recommended_k" in report:
+            return DraftShape(int(report["recommended_k"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"jaxspec: --num-steps auto: {path}: the recommended draft shape is unreadable: {e}") from None
     raise SystemExit(
         f"jaxspec: --num-steps auto: {path} holds no recommendation (is it the tune.json of 'jaxspec tune'?)"
     )

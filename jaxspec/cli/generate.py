@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import re
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxspec.cli.args import (
     UsageError,
@@ -16,9 +15,11 @@ from jaxspec.cli.args import (
     auto_num_steps,
     build_target,
     check_target_args,
+    draft_shape,
     int_list,
     use_bundled_pair,
 )
+from jaxspec.decoding.draft_shape import DraftShape
 
 HELP = "speculative (or plain) generation; prints text and statistics"
 DESCRIPTION = (
@@ -67,21 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="print text as cycles complete")
 
 
+def _fail(message: str) -> NoReturn:
+    raise UsageError("generate", message)
+
+
 def check(args: argparse.Namespace) -> None:
-    """Everything checkable without a model, before anything loads: raise UsageError on the first problem."""
-    from jaxspec.decoding.generate import MAX_NUM_STEPS, check_tree
-
-    def fail(message: str):
-        raise UsageError("generate", message)
-
+    """Everything checkable without a model, before anything loads: raise UsageError on the first problem. Sets
+    `args.draft`, the run's DraftShape."""
+    fail = _fail
     check_target_args(args, fail)
     args.num_steps = num_steps(args)
-    if not 0 <= args.num_steps <= MAX_NUM_STEPS:
-        fail(f"--num-steps: expected 0..{MAX_NUM_STEPS} draft tokens per cycle, got {args.num_steps}")
-    try:
-        check_tree(args.num_steps, args.topk, args.num_draft_tokens, None)
-    except ValueError as e:  # the library's message, naming the flags
-        fail(re.sub(r"\b(topk|num_steps|num_draft_tokens)\b", lambda m: "--" + m[1].replace("_", "-"), str(e)))
+    args.draft = draft_shape(args, fail)
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens: expected an integer >= 1, got {args.max_new_tokens}")
     if not 0 <= args.temperature < float("inf"):
@@ -107,7 +104,7 @@ def _check_inputs(args: argparse.Namespace, fail) -> None:
             int_list(p, "--ids --prompt", fail)
     if args.drafter and not Path(args.drafter).is_dir():
         fail(f"--drafter: {args.drafter} is not a directory")
-    if args.model and args.num_steps and not args.drafter:
+    if args.model and not args.draft.plain and not args.drafter:
         fail("--num-steps > 0 with --model needs --drafter (or --num-steps 0)")
     if not bundled and (not args.ids or args.chat):
         tok_dir = args.tokenizer or args.model
@@ -134,8 +131,9 @@ def num_steps(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Load (or build) the pair, generate, print the text and the statistics asked for."""
-    if isinstance(args.num_steps, str):  # not yet checked (main() checks it; direct callers may not have)
-        args.num_steps = num_steps(args)
+    if not hasattr(args, "draft"):  # not yet checked (main() checks it; direct callers may not have)
+        args.num_steps = num_steps(args) if isinstance(args.num_steps, str) else args.num_steps
+        args.draft = draft_shape(args, _fail)
     bundled = use_bundled_pair(args)
     if bundled:
         from jaxspec.bundled import prompts as held_out_prompts
@@ -154,12 +152,13 @@ def run(args: argparse.Namespace) -> int:
     if bundled:
         print("--- held-out prompt (never trained on) ---\n" + "\n---\n".join(map(str, prompts)))
         print("--- completion ---")
-    result = run_at(args.num_steps, stream if streaming else None)
+    plain = DraftShape(0)
+    result = run_at(args.draft, stream if streaming else None)
     timed = None
-    if compare and args.num_steps:
+    if compare and not args.draft.plain:
         # Both programs are compiled by a first call (the one above for speculative decoding), then timed warm.
-        run_at(0)
-        timed = {"speculative": run_at(args.num_steps).stats, "plain": run_at(0).stats}
+        run_at(plain)
+        timed = {"speculative": run_at(args.draft).stats, "plain": run_at(plain).stats}
     if streaming:
         print(finish_stream())
     else:
@@ -169,12 +168,12 @@ def run(args: argparse.Namespace) -> int:
     if args.stats:
         _print_stats(result.stats, f"target: {source}; drafter: {args.drafter or ('random' if drafter else 'none')}")
     if timed is not None:
-        _print_speedup(args.num_steps, timed["speculative"], timed["plain"])
+        _print_speedup(args.draft, timed["speculative"], timed["plain"])
     return 0
 
 
 def _drafter(args: argparse.Namespace, target) -> Any:
-    if not args.num_steps:
+    if args.draft.plain:
         return None
     if args.model and not args.drafter:
         raise SystemExit("jaxspec generate: --num-steps > 0 with --model needs --drafter (or --num-steps 0)")
@@ -210,22 +209,20 @@ def _prompts(args: argparse.Namespace, tokenizer) -> list:
 
 
 def _runner(args: argparse.Namespace, target, drafter, prompts: list, tokenizer):
-    """run(num_steps, on_cycles=None) -> GenerateResult with this invocation's settings; every run shares one cache of
-    compiled loops, so the second run at a depth compiles nothing."""
+    """run(draft, on_cycles=None) -> GenerateResult with this invocation's settings; every run shares one cache of
+    compiled loops, so the second run at a shape compiles nothing."""
     from jaxspec.decoding.generate import LoopCache, generate
 
     loops = LoopCache()
 
-    def run_at(k: int, on_cycles=None):
+    def run_at(draft: DraftShape, on_cycles=None):
         settings = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         return generate(
             target,
-            drafter if k else None,
+            None if draft.plain else drafter,
             prompts,
+            draft=draft,
             max_new_tokens=args.max_new_tokens,
-            num_steps=k,
-            topk=args.topk if k else 1,
-            num_draft_tokens=args.num_draft_tokens if k else None,
             tokenizer=tokenizer,
             on_cycles=on_cycles,
             loops=loops,
@@ -249,9 +246,9 @@ def _print_stats(s: dict[str, Any], pair: str) -> None:
         )
 
 
-def _print_speedup(k: int, spec: dict[str, Any], plain: dict[str, Any]) -> None:
+def _print_speedup(draft: DraftShape, spec: dict[str, Any], plain: dict[str, Any]) -> None:
     print(
-        f"speculative (k={k}) {spec['tokens_per_second']:.1f} tok/s vs plain "
+        f"speculative ({draft.label}) {spec['tokens_per_second']:.1f} tok/s vs plain "
         f"{plain['tokens_per_second']:.1f} tok/s (both compiled, timed on a second run): "
         f"speedup {spec['tokens_per_second'] / plain['tokens_per_second']:.2f}x"
     )

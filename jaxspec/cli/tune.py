@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SHAPES",
         help="also sweep tree drafts: comma-separated STEPS:TOPK:TOKENS (num_steps, topk, num_draft_tokens with the "
         "root; a field may be a range A-B: every shape of the product that holds its tokens), or 'default' for "
-        + ", ".join(f"{t.num_steps}:{t.topk}:{t.num_draft_tokens}" for t in DEFAULT_TREES)
+        + ", ".join(t.spec for t in DEFAULT_TREES)
         + "; each shape is one more run per round",
     )
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt and k (%(default)s)")
@@ -118,7 +118,10 @@ def _run_preset(args: argparse.Namespace, name: str) -> dict:
     if code != 0 or not path.is_file():
         return {"preset": name, "error": f"jaxspec tune exited with status {code}"}
     report = json.loads(path.read_text())
-    rows = {r["k"]: r for r in report["rows"]}
+    from jaxspec.decoding.draft_shape import DraftShape
+    from jaxspec.profiling.tune import report_rows, row_shape
+
+    rows = {row_shape(r): r for r in report_rows(report)}
     k = report["recommended_k"]
     record = report.get("collective_preset_record") or {}
     return {
@@ -127,9 +130,9 @@ def _run_preset(args: argparse.Namespace, name: str) -> dict:
         "platform": report["platform"],
         "recommended_k": k,
         "recommended": report["recommended"],
-        "measured_tok_s": rows[k]["measured_tok_s"],
-        "predicted_tok_s": rows[k]["predicted_tok_s"],
-        "plain_tok_s": rows[0]["measured_tok_s"] if 0 in rows else None,
+        "measured_tok_s": rows[DraftShape(k)]["measured_tok_s"],
+        "predicted_tok_s": rows[DraftShape(k)]["predicted_tok_s"],
+        "plain_tok_s": rows[DraftShape(0)]["measured_tok_s"] if DraftShape(0) in rows else None,
         "tune_json": str(path),
     }
 
@@ -167,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
         target,
         drafter,
         prompts,
-        range(0, args.max_k + 1),
-        trees=args.tree_shapes,
+        [*range(0, args.max_k + 1), *args.tree_shapes],
         max_new_tokens=args.max_new_tokens,
         repeats=args.rounds,
         stream_cycles=args.stream_cycles,
@@ -181,16 +183,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    """The numeric flags and --trees (parsed into `args.tree_shapes`), or SystemExit naming the flag."""
-    from jaxspec.decoding.generate import check_tree
+    """The numeric flags and --trees (parsed into `args.tree_shapes`, DraftShapes), or SystemExit naming the flag."""
+    from jaxspec.decoding.draft_shape import MAX_NUM_STEPS
     from jaxspec.profiling.tune import parse_trees
 
-    if args.max_k < 0:
-        raise SystemExit(f"jaxspec tune: --max-k must be >= 0, got {args.max_k}")
+    if not 0 <= args.max_k <= MAX_NUM_STEPS:
+        raise SystemExit(f"jaxspec tune: --max-k must be in [0, {MAX_NUM_STEPS}], got {args.max_k}")
     try:
         args.tree_shapes = parse_trees(args.trees) if args.trees else []
-        for t in args.tree_shapes:
-            check_tree(t.num_steps, t.topk, t.num_draft_tokens, None)
     except ValueError as e:
         raise SystemExit(f"jaxspec tune: --trees: {e}") from None
     for name in ("rounds", "stream_cycles", "max_new_tokens"):

@@ -4,15 +4,15 @@ Each phase runs `inner` times inside one compiled `fori_loop` whose carry feeds 
 loop-invariant and per-call dispatch is amortised), with warm-up calls first and the median over `reps` calls.
 The phases are the functions `jaxspec.decoding.spec_loop` composes per cycle: a drafter step, verify of T = k+1 tokens
 (capturing the drafter's target layers), draft-extend over T tokens, the accept/commit/counter bookkeeping, and a plain
-decode step (k = 0's verify); for tree drafts, the whole tree draft, verify of the tree's nodes under its mask, and
-the tree's bookkeeping (node selection, path acceptance, commit, cache compaction, counters). Each phase compiles once
-per `PhaseTimer` and keeps its state, so it can be re-timed cheaply many times (the tuner times the phases after
-every few cycles of the real loop).
+decode step (k = 0's verify); for tree drafts (a `DraftShape` with topk > 1), the whole tree draft, verify of the
+tree's nodes under its mask, and the tree's bookkeeping (node selection, path acceptance, commit, cache compaction,
+counters). Each method takes what its phase's cost depends on: a token count, or the tree's shape. Each phase
+compiles once per `PhaseTimer` and keeps its state, so it can be re-timed cheaply many times (the tuner times the
+phases after every few cycles of the real loop).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.decoding import tree
+from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.spec_loop import (
     LoopConfig,
@@ -175,10 +176,10 @@ class PhaseTimer:
         hidden = self._put(jnp.zeros((self.batch, cfg.hidden_size), self.drafter.dtype) + 0.01)
         return root, hidden, self._put(np.full((self.batch,), self.context, np.int32))
 
-    def tree_draft(self, num_steps: int, topk: int, *, warmup: int = 1, reps: int = 5) -> float:
-        """A whole tree draft (`spec_loop.draft_tree`): the root's top-`topk` children, then `num_steps` - 1 drafter
-        steps over the `topk` frontier nodes, each expanding it."""
-        drafter = self.drafter
+    def tree_draft(self, shape: DraftShape, *, warmup: int = 1, reps: int = 5) -> float:
+        """A tree's whole draft (`spec_loop.draft_tree`): the root's top-`topk` children, then `num_steps` - 1 drafter
+        steps over the `topk` frontier nodes, each expanding it (its cost depends on num_steps and topk)."""
+        drafter, num_steps, topk = self.drafter, shape.num_steps, shape.topk
 
         def body(params, hidden_BD, n_B, cache, root_BU):
             draft = draft_tree(drafter, params, root_BU, hidden_BD, n_B, cache, num_steps, topk)
@@ -191,14 +192,15 @@ class PhaseTimer:
 
         return self._time(("tree_draft", num_steps, topk), build, warmup=warmup, reps=reps)
 
-    def tree_bookkeeping(self, num_steps: int, topk: int, tokens: int, *, warmup: int = 1, reps: int = 5) -> float:
-        """A greedy tree cycle's work outside the model calls: keep the `tokens` - 1 best candidates (`tree.finish`),
-        accept the longest matching path, commit it, compact it in the target cache and count (t_tree_other)."""
+    def tree_bookkeeping(self, shape: DraftShape, *, warmup: int = 1, reps: int = 5) -> float:
+        """A greedy tree cycle's work outside the model calls: keep the verify_tokens - 1 best candidates
+        (`tree.finish`), accept the longest matching path, commit it, compact it in the target cache and count (a
+        tree's "other" phase)."""
         target, drafter, B, S = self.target, self.drafter, self.batch, self.cache_len
+        num_steps, topk, tokens = shape.num_steps, shape.topk, shape.verify_tokens
         if self.context + num_steps + 2 > S:
             raise ValueError(f"tree_bookkeeping: context {self.context} + {num_steps + 2} does not fit a buffer of {S}")
-        cfg = LoopConfig(num_steps, self.greedy, tuple(target.config.stop_token_ids), self.context, self.context)
-        cfg = dataclasses.replace(cfg, topk=topk, num_draft_tokens=tokens)
+        cfg = LoopConfig(shape, self.greedy, tuple(target.config.stop_token_ids), self.context, self.context)
 
         def body(draft, out_BT, s):
             n_B = s.length_B
@@ -218,10 +220,10 @@ class PhaseTimer:
             draft = jax.jit(draft_tree, static_argnums=(0, 6, 7))(
                 drafter, drafter.params, root, hidden, n_B, cache, num_steps, topk
             )
-            state = self._loop_state(num_steps, self.context, target.init_cache(B, S))
+            state = self._loop_state(shape, self.context)
             return body, (draft, self._ids(tokens)), (state,)
 
-        return self._time(("tree_bookkeeping", num_steps, topk, tokens), build, warmup=warmup, reps=reps)
+        return self._time(("tree_bookkeeping", shape), build, warmup=warmup, reps=reps)
 
     def draft_step(self, *, warmup: int = 1, reps: int = 5) -> float:
         """One drafter step (1 token from the previous h2) and its greedy draft token choice."""
@@ -266,39 +268,33 @@ class PhaseTimer:
         J, B, S = tokens - 1, self.batch, self.cache_len
         if tokens + 2 > S:
             raise ValueError(f"bookkeeping: {tokens} tokens do not fit a buffer of {S}")
-        cfg = LoopConfig(J, self.greedy, tuple(self.target.config.stop_token_ids), self.context, self.context)
+        chain = DraftShape(J)
+        cfg = LoopConfig(chain, self.greedy, tuple(self.target.config.stop_token_ids), self.context, self.context)
 
         def body(draft_BJ, out_BT, s):
             accepted_B, _, active_B, c = accept_commit(cfg, s, draft_BJ, [], out_BT, self.key)
-            wrap = lambda x: 1 + (x - 1) % (S - tokens - 2)  # noqa: E731  (stay inside the buffer however long it runs)
+            wrap = lambda x: 1 + (x - 1) % (S - tokens - 2)  # stay inside the buffer however long it runs
             counts = count_acceptance(J, s, accepted_B, active_B)
             return (c.replace(end_B=wrap(c.end_B), length_B=wrap(c.length_B), **counts),)
 
         def build():
-            state = self._loop_state(J, min(self.context, S - tokens - 2), self._put(np.zeros((B,), np.int32)))
+            # The chain's bookkeeping never reads the target cache: a placeholder stands in for it in the carry.
+            state = self._loop_state(chain, min(self.context, S - tokens - 2))
+            state = state.replace(target_cache=self._put(np.zeros((B,), np.int32)))
             return body, (self._ids(J), self._ids(J + 1)), (state,)
 
         return self._time(("bookkeeping", tokens), build, warmup=warmup, reps=reps)
 
-    def _loop_state(self, J: int, length: int, target_cache) -> LoopState:
-        """A loop state of the timer's batch at `length` processed positions, for the bookkeeping phases."""
+    def _loop_state(self, draft: DraftShape, length: int) -> LoopState:
+        """A loop state of the timer's batch with every row running at `length` processed positions over random
+        tokens, for the bookkeeping phases (no drafter cache: they do not use it)."""
         B, S = self.batch, self.cache_len
-        zeros = lambda: self._put(np.zeros((B,), np.int32))  # noqa: E731  (a new buffer each: they are donated)
-        return LoopState(
+        empty = LoopState.empty(self.target, None, draft, B, S, seed=1)
+        lengths = self._put(np.full((B,), length, np.int32))
+        return empty.replace(
             tokens_BS=self._put(np.random.default_rng(2).integers(0, self.target.vocab_size, (B, S), np.int32)),
-            prompt_len_B=zeros() + 1,
-            length_B=zeros() + length,
-            end_B=zeros() + length + 1,
-            max_new_B=zeros() + S,
+            length_B=lengths,
+            end_B=lengths + 1,
+            max_new_B=self._put(np.full((B,), S, np.int32)),
             done_B=self._put(np.zeros((B,), bool)),
-            target_cache=target_cache,
-            draft_cache=None,
-            draft_B=zeros(),
-            draft_q_BV=self._put(np.zeros((B, 1), np.float32)),
-            hidden_BD=self._put(np.zeros((B, 1), np.float32)),
-            key=self._put(jax.random.key(1)),
-            cycles=self._put(np.zeros((), np.int32)),
-            reached_J=self._put(np.zeros((J,), np.int32)),
-            accepted_J=self._put(np.zeros((J,), np.int32)),
-            accept_hist_T=self._put(np.zeros((J + 1,), np.int32)),
         )

@@ -1,6 +1,6 @@
-"""`jaxspec tune`: sweep draft configurations (chain depths k, and with `trees` tree shapes (num_steps, topk,
-num_draft_tokens)), run the real loop for each, time every phase alone, fit the cost model and recommend the
-configuration of highest predicted throughput (`recommended`; `recommended_k` is the best chain).
+"""`jaxspec tune`: sweep draft shapes (`DraftShape`s: chains of depth k, and tree shapes), run the real loop for each,
+time every phase alone, fit the cost model and recommend the shape of highest predicted throughput (`recommended`;
+`recommended_k` is the best chain).
 
 Measurement design (timings on shared machines drift by 10-20% over seconds, far more than the model's terms):
 - Each k runs `jaxspec.generate` with a progress hook every `stream_cycles` cycles. Right after each chunk of cycles,
@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.generate import MIN_PROMPT_BUCKET, LoopCache, bucket, generate
 from jaxspec.profiling.cost_model import (
     DEFAULT_TREES,
     GAP_TOLERANCE,
-    Config,
     CostModel,
-    TreeShape,
     conditional_acceptance,
+    draft_steps,
     explain_gap,
     pool_counters,
     relative_gap,
@@ -49,7 +49,7 @@ from jaxspec.profiling.timing import PhaseTimer
 DEFAULT_PROMPTS = ((1, 17, 42, 7, 99, 3, 56, 12), (5, 8, 13, 21, 34, 55, 89, 144))
 BUNDLED_PROMPTS = 8  # held-out prompts of the bundled pair swept together (one batch)
 TABLE_COLUMNS = (
-    "k",
+    "draft",
     "draft tokens",
     "verify ms",
     "cycle ms",
@@ -62,7 +62,7 @@ TABLE_COLUMNS = (
 
 @dataclasses.dataclass
 class Chunk:
-    """`stream_cycles` cycles of the loop at one depth, all prompts running, and the phases timed right after."""
+    """`stream_cycles` cycles of the loop at one shape, all prompts running, and the phases timed right after."""
 
     seconds: float
     cycles: int
@@ -72,22 +72,23 @@ class Chunk:
     phases: dict[str, float]  # seconds per call: "other", and "decode" (k = 0) or "verify", "extend" (+ "draft")
 
 
-def time_phases_of(timer: PhaseTimer, k: Config, *, reps: int = 1) -> dict[str, float]:
-    """Seconds per call of the phases a cycle of depth k (or a tree) runs (compiled on first use)."""
-    if isinstance(k, TreeShape):
-        S, K, T = k.num_steps, k.topk, k.num_draft_tokens
+def time_phases_of(timer: PhaseTimer, shape: DraftShape, *, reps: int = 1) -> dict[str, float]:
+    """Seconds per call of the phases a cycle of `shape` runs (compiled on first use): "other", and "decode" (plain
+    decoding) or "verify", "extend" and "draft" (a chain's one drafter step, when it runs one; a tree's whole draft)."""
+    T, once = shape.verify_tokens, dict(warmup=0, reps=reps)
+    if shape.tree:
         return {
-            "other": timer.tree_bookkeeping(S, K, T, warmup=0, reps=reps),
-            "draft": timer.tree_draft(S, K, warmup=0, reps=reps),
-            "verify": timer.tree_verify(T, warmup=0, reps=reps),
-            "extend": timer.extend(S + 1, warmup=0, reps=reps),
+            "other": timer.tree_bookkeeping(shape, **once),
+            "draft": timer.tree_draft(shape, **once),
+            "verify": timer.tree_verify(T, **once),
+            "extend": timer.extend(shape.num_steps + 1, **once),
         }
-    out = {"other": timer.bookkeeping(k + 1, warmup=0, reps=reps)}
-    if k == 0:
-        return out | {"decode": timer.decode(warmup=0, reps=reps)}
-    out |= {"verify": timer.verify(k + 1, warmup=0, reps=reps), "extend": timer.extend(k + 1, warmup=0, reps=reps)}
-    if k >= 2:
-        out["draft"] = timer.draft_step(warmup=0, reps=reps)
+    out = {"other": timer.bookkeeping(T, **once)}
+    if shape.plain:
+        return out | {"decode": timer.decode(**once)}
+    out |= {"verify": timer.verify(T, **once), "extend": timer.extend(T, **once)}
+    if draft_steps(shape):
+        out["draft"] = timer.draft_step(**once)
     return out
 
 
@@ -116,7 +117,7 @@ def run_depth(
     target,
     drafter,
     prompts: Sequence[Sequence[int]],
-    k: Config,
+    shape: DraftShape,
     timer: PhaseTimer,
     *,
     max_new_tokens: int,
@@ -124,22 +125,22 @@ def run_depth(
     reps: int = 1,
     loops: LoopCache | None = None,
 ) -> tuple[list[Chunk], dict[str, Any]]:
-    """One `generate` run at depth k (or a tree) with its phases timed after every chunk; returns its steady chunks
-    (see the module docstring) and the run's stats. `loops`: the compiled loops to reuse (see `LoopCache`)."""
+    """One `generate` run at `shape` with its phases timed after every chunk; returns its steady chunks (see the
+    module docstring) and the run's stats. `loops`: the compiled loops to reuse (see `LoopCache`)."""
 
     marks = []
 
     def hook(progress) -> None:
         end = time.perf_counter()
-        phases = time_phases_of(timer, k, reps=reps)
+        phases = time_phases_of(timer, shape, reps=reps)
         marks.append((end, progress, phases, time.perf_counter()))
 
     stats = generate(
         target,
-        drafter if k else None,
+        None if shape.plain else drafter,
         prompts,
+        draft=shape,
         max_new_tokens=max_new_tokens,
-        **loop_settings(k),
         stream_cycles=stream_cycles,
         on_progress=hook,
         loops=loops,
@@ -147,33 +148,38 @@ def run_depth(
     return steady_chunks(marks), stats
 
 
-def parse_trees(text: str) -> list[TreeShape]:
-    """`STEPS:TOPK:TOKENS,...` as tree shapes, or `default` (DEFAULT_TREES). A field may be a range `A-B`: the entry
-    then stands for every shape in the product whose tree holds that many tokens (at most topk + (steps - 1) topk^2
-    candidates plus the root, and MAX_DRAFT_TOKENS), e.g. `3-4:2:6-8`. ValueError naming a bad entry."""
-    from jaxspec.decoding.generate import MAX_DRAFT_TOKENS
-    from jaxspec.decoding.tree import num_candidates
-
+def parse_trees(text: str) -> list[DraftShape]:
+    """`STEPS:TOPK:TOKENS,...` (or labels such as `4x2/8`) as tree shapes, or `default` (DEFAULT_TREES). A field may be
+    a range `A-B`: the entry then stands for every tree shape of the product that `DraftShape` accepts (at most
+    topk + (steps - 1) topk^2 candidates plus the root, and MAX_DRAFT_TOKENS), e.g. `3-4:2:6-8`. ValueError naming a
+    bad entry."""
     if text.strip() == "default":
         return list(DEFAULT_TREES)
-    shapes: list[TreeShape] = []
+    shapes: list[DraftShape] = []
     for part in filter(str.strip, text.split(",")):
         fields = part.strip().split(":")
         if len(fields) != 3 or not any("-" in f for f in fields):
-            shapes.append(TreeShape.parse(part))
+            shape = DraftShape.parse(part)
+            if not shape.tree:
+                raise ValueError(f"tree shapes {part.strip()!r}: topk = 1 is a chain (chains are swept by depth)")
+            shapes.append(shape)
             continue
-        grid = [_span(f, part) for f in fields]
-        fit = [
-            TreeShape(s, k, t)
-            for s, k, t in itertools.product(*grid)
-            if k >= 2 and 2 <= t <= min(num_candidates(k, s) + 1, MAX_DRAFT_TOKENS)
-        ]
+        fit = [shape for spec in itertools.product(*(_span(f, part) for f in fields)) if (shape := _tree(*spec))]
         if not fit:
             raise ValueError(f"tree shapes {part.strip()!r}: no shape in this range holds its token count")
         shapes += fit
     if not shapes:
         raise ValueError(f"expected STEPS:TOPK:TOKENS,... or 'default', got {text!r}")
     return list(dict.fromkeys(shapes))
+
+
+def _tree(num_steps: int, topk: int, tokens: int) -> DraftShape | None:
+    """The tree shape, or None where DraftShape refuses it or it is a chain."""
+    try:
+        shape = DraftShape(num_steps, topk, tokens)
+    except ValueError:
+        return None
+    return shape if shape.tree else None
 
 
 def _span(field: str, part: str) -> range:
@@ -188,21 +194,15 @@ def _span(field: str, part: str) -> range:
     return range(low, high + 1)
 
 
-def loop_settings(k: Config) -> dict[str, Any]:
-    """`generate`'s draft settings for a chain depth or a tree."""
-    if isinstance(k, TreeShape):
-        return {"num_steps": k.num_steps, "topk": k.topk, "num_draft_tokens": k.num_draft_tokens}
-    return {"num_steps": k}
+def row_shape(row: dict[str, Any]) -> DraftShape:
+    """The draft shape of a report row: its `num_steps`/`topk`/`num_draft_tokens` (a chain row of a tune.json from
+    before draft shapes holds `k` only)."""
+    return DraftShape.from_dict(row) if "num_steps" in row else DraftShape(int(row["k"]))
 
 
-def label(k: Config) -> str:
-    """A configuration's name in tables and messages: k=3, or tree 4x2/8."""
-    return f"tree {k.label}" if isinstance(k, TreeShape) else f"k={k}"
-
-
-def row_label(row: dict[str, Any]) -> str:
-    """`label` of a report row (chains have "k", trees "tree")."""
-    return f"tree {row['tree']}" if "tree" in row else f"k={row['k']}"
+def report_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every row of a tuning report (a tune.json from before draft shapes kept its trees in `tree_rows`)."""
+    return report["rows"] + report.get("tree_rows", [])
 
 
 def _phase(chunks: Sequence[Chunk], name: str) -> float:
@@ -214,9 +214,8 @@ def tune(
     target,
     drafter,
     prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS,
-    ks: Iterable[int] = range(0, 5),
+    drafts: Iterable[DraftShape | int] = range(0, 5),
     *,
-    trees: Iterable[TreeShape | tuple[int, int, int]] = (),
     max_new_tokens: int = 256,
     output_dir: str | Path | None = None,
     collective_preset: str | dict | None = None,
@@ -226,38 +225,37 @@ def tune(
     repeats: int = 3,
     verbose: bool = True,
 ) -> dict[str, Any]:
-    """Sweep draft depths `ks` and tree shapes `trees` ((num_steps, topk, num_draft_tokens) each) and return (and
-    with `output_dir`, write `tune.json` + `tune.png`) the tuning report.
+    """Sweep the draft shapes `drafts` (`DraftShape`s, or chain depths as ints) and return (and with `output_dir`,
+    write `tune.json` + `tune.png`) the tuning report.
 
-    `repeats` rounds over all configurations; each phase is timed `reps` x `inner` calls after every chunk of
-    `stream_cycles` cycles. Raises ValueError when a configuration has no steady chunk (every prompt must run at
-    least two chunks), or naming the bad argument."""
-    ks, trees, prompts = _check_sweep(ks, trees, drafter, prompts, repeats)
-    configs: list[Config] = [*ks, *trees]
+    `repeats` rounds over all shapes; each phase is timed `reps` x `inner` calls after every chunk of
+    `stream_cycles` cycles. Raises ValueError when a shape has no steady chunk (every prompt must run at least two
+    chunks), or naming the bad argument."""
+    shapes, prompts = _check_sweep(drafts, drafter, prompts, repeats)
     sweep = _Sweep(target, drafter, prompts, max_new_tokens, stream_cycles, reps, LoopCache())
-    bar = tqdm(total=(repeats + 1) * len(configs), desc="jaxspec tune", unit="run", disable=not verbose)
-    timer_of = sweep.compile(configs, inner, bar)
-    chunks: dict[Config, list[Chunk]] = {k: [] for k in configs}
-    last_stats: dict[Config, dict] = {}
+    bar = tqdm(total=(repeats + 1) * len(shapes), desc="jaxspec tune", unit="run", disable=not verbose)
+    timer_of = sweep.compile(shapes, inner, bar)
+    chunks: dict[DraftShape, list[Chunk]] = {s: [] for s in shapes}
+    last_stats: dict[DraftShape, dict] = {}
     for round_ in range(repeats):
-        for k in configs if round_ % 2 == 0 else configs[::-1]:
-            bar.set_postfix(config=label(k), round=round_ + 1)
-            got, last_stats[k] = sweep.run(k, timer_of[k])
-            chunks[k] += got
+        for s in shapes if round_ % 2 == 0 else shapes[::-1]:
+            bar.set_postfix(draft=s.label, round=round_ + 1)
+            got, last_stats[s] = sweep.run(s, timer_of[s])
+            chunks[s] += got
             bar.update()
     bar.close()
-    empty = [label(k) for k in configs if not chunks[k]]
+    empty = [s.label for s in shapes if not chunks[s]]
     if empty:
         raise ValueError(
             f"{', '.join(empty)}: no steady chunk (after the first {stream_cycles} cycles and before any prompt "
             f"finished); raise max_new_tokens (now {max_new_tokens}) or lower stream_cycles"
         )
-    counters = {k: pool_counters((c.reached, c.accepted) for c in chunks[k]) for k in configs}  # per config
-    model = _fit(chunks, counters, timer_of, ks, trees, reps, len(prompts))
-    rows = [_row(k, model, _measured(chunks[k], counters[k], last_stats[k], len(prompts))) for k in configs]
+    counters = {s: pool_counters((c.reached, c.accepted) for c in chunks[s]) for s in shapes}  # per shape
+    model = _fit(chunks, counters, timer_of, reps, len(prompts))
+    rows = [_row(s, model, _measured(chunks[s], counters[s], last_stats[s], len(prompts))) for s in shapes]
     settings = {"rounds": repeats, "stream_cycles": stream_cycles, "phase_calls_per_chunk": reps * inner}
-    setup = _setup(timer_of[configs[-1]], len(prompts), target, max_new_tokens, collective_preset)
-    report = _report(rows, model, {k: counters[k] for k in ks}, settings) | setup
+    setup = _setup(timer_of[shapes[-1]], len(prompts), target, max_new_tokens, collective_preset)
+    report = _report(rows, model, _chain_counters(counters), settings) | setup
     if verbose:
         print(format_table(report))
     if output_dir is not None:
@@ -268,30 +266,31 @@ def tune(
     return report
 
 
-def _check_sweep(ks, trees, drafter, prompts, repeats: int) -> tuple[list[int], list[TreeShape], list[list[int]]]:
-    """The sorted distinct depths and tree shapes and the prompts as lists of ints, or ValueError naming the bad
-    argument."""
-    from jaxspec.decoding.generate import check_tree
-
-    ks = sorted(set(int(k) for k in ks))
-    trees = sorted(set(t if isinstance(t, TreeShape) else TreeShape(*t) for t in trees))
-    if not ks and not trees:
-        raise ValueError("ks, trees: nothing to sweep (give draft depths, tree shapes or both)")
-    if ks and ks[0] < 0:
-        raise ValueError(f"ks: expected non-negative draft depths, got {ks}")
-    if (ks and ks[-1] > 0 or trees) and drafter is None:
-        raise ValueError("ks > 0 and trees need a drafter (only k = 0 runs without one)")
-    for t in trees:
+def _check_sweep(drafts, drafter, prompts, repeats: int) -> tuple[list[DraftShape], list[list[int]]]:
+    """The distinct shapes (chains by depth, then trees; the ties of the recommendation go to the first) and the
+    prompts as lists of ints, or ValueError naming the bad argument."""
+    shapes = []
+    for d in drafts:
         try:
-            check_tree(t.num_steps, t.topk, t.num_draft_tokens, drafter)
+            shapes.append(DraftShape.of(d))
         except ValueError as e:
-            raise ValueError(f"trees: {t.label}: {e}") from None
+            raise ValueError(f"drafts: {d!r}: {e}") from None
+    shapes = sorted(set(shapes), key=lambda s: (s.tree, s))
+    if not shapes:
+        raise ValueError("drafts: nothing to sweep (give draft shapes or chain depths)")
+    if any(not s.plain for s in shapes) and drafter is None:
+        raise ValueError("drafts: chains of k > 0 and trees need a drafter (only k = 0 runs without one)")
+    for s in shapes if drafter is not None else ():
+        try:
+            s.check_drafter(drafter.config.draft_vocab_size)
+        except ValueError as e:
+            raise ValueError(f"drafts: {s.label}: {e}") from None
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
         raise ValueError("prompts: expected at least one prompt of token ids")
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1 rounds, got {repeats}")
-    return ks, trees, prompts
+    return shapes, prompts
 
 
 @dataclasses.dataclass
@@ -306,38 +305,36 @@ class _Sweep:
     reps: int
     loops: LoopCache
 
-    def compile(self, configs: Sequence[Config], inner: int, bar) -> dict[Config, PhaseTimer]:
+    def compile(self, shapes: Sequence[DraftShape], inner: int, bar) -> dict[DraftShape, PhaseTimer]:
         """Compile every loop and phase program first: one phase timer per (batch, buffer) bucket the loops use."""
         target, drafter, prompts = self.target, self.drafter, self.prompts
         context = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET) + self.max_new_tokens // 2
         timers: dict[tuple[int, int], PhaseTimer] = {}
-        timer_of: dict[Config, PhaseTimer] = {}
-        for k in configs:
-            bar.set_postfix(config=label(k), round="compile")
+        timer_of: dict[DraftShape, PhaseTimer] = {}
+        for s in shapes:
+            bar.set_postfix(draft=s.label, round="compile")
             first = generate(
                 target,
-                drafter if k else None,
+                None if s.plain else drafter,
                 prompts,
+                draft=s,
                 max_new_tokens=self.max_new_tokens,
-                **loop_settings(k),
                 loops=self.loops,
             )
-            shape = (first.stats["buckets"]["batch"], first.stats["buckets"]["buffer"])
-            if shape not in timers:
-                timers[shape] = PhaseTimer(
-                    target, drafter, batch=shape[0], cache_len=shape[1], context=context, inner=inner
-                )
-            timer_of[k] = timers[shape]
-            time_phases_of(timer_of[k], k)
+            key = (first.stats["buckets"]["batch"], first.stats["buckets"]["buffer"])
+            if key not in timers:
+                timers[key] = PhaseTimer(target, drafter, batch=key[0], cache_len=key[1], context=context, inner=inner)
+            timer_of[s] = timers[key]
+            time_phases_of(timer_of[s], s)
             bar.update()
         return timer_of
 
-    def run(self, k: Config, timer: PhaseTimer) -> tuple[list[Chunk], dict[str, Any]]:
+    def run(self, shape: DraftShape, timer: PhaseTimer) -> tuple[list[Chunk], dict[str, Any]]:
         return run_depth(
             self.target,
             self.drafter,
             self.prompts,
-            k,
+            shape,
             timer,
             max_new_tokens=self.max_new_tokens,
             stream_cycles=self.stream_cycles,
@@ -346,42 +343,50 @@ class _Sweep:
         )
 
 
-def _fit(chunks, counters, timer_of, ks: list[int], trees: list[TreeShape], reps: int, batch: int) -> CostModel:
-    """The cost model from the phase times of the steady chunks: the chains' acceptance pooled over all k, each
-    tree's its own."""
-    reached, accepted = pool_counters(counters[k] for k in ks)  # position j over every k >= j
-    drafting = [c for k in ks if k >= 2 for c in chunks[k]]
-    if 0 in ks:
-        t_decode = _phase(chunks[0], "decode")
+def _chain_counters(counters: dict[DraftShape, tuple]) -> tuple[np.ndarray, np.ndarray]:
+    """The chains' acceptance counters pooled: position j over every chain of depth >= j."""
+    return pool_counters(c for s, c in counters.items() if not s.tree)
+
+
+def _fit(chunks, counters, timer_of, reps: int, batch: int) -> CostModel:
+    """The cost model from the phase times of the steady chunks. A phase's seconds are pooled over the chunks of every
+    shape that runs the same program (`_pooled`); a chain's drafter step over every chain that runs one (each of its
+    S - 1 steps costs that). The chains' acceptance is pooled over all chains, each tree's is its own."""
+    shapes = list(chunks)
+    plain = DraftShape(0)
+    if plain in chunks:
+        t_decode = _phase(chunks[plain], "decode")
     else:
         t_decode = next(iter(timer_of.values())).decode(reps=max(3, reps))
-    # Draft-extend over n tokens is one program whether a chain (k = n - 1) or a tree (num_steps = n - 1) runs it.
-    span = lambda k: k.num_steps + 1 if isinstance(k, TreeShape) else k + 1  # noqa: E731
-    return CostModel(
-        t_draft=_phase(drafting, "draft") if drafting else 0.0,
-        t_verify={k + 1: _phase(chunks[k], "verify") for k in ks if k},
-        t_extend=_per([k for k in chunks if k], chunks, "extend", span),
-        t_decode=t_decode,
-        acceptance=conditional_acceptance(reached, accepted) if ks else (),
-        t_other={k + 1: _phase(chunks[k], "other") for k in ks},
-        batch=batch,
-        t_tree_draft=_per(trees, chunks, "draft", lambda t: (t.num_steps, t.topk)),
-        t_tree_verify=_per(trees, chunks, "verify", lambda t: t.num_draft_tokens),
-        t_tree_other={t: _phase(chunks[t], "other") for t in trees},
-        tree_acceptance={t: conditional_acceptance(*counters[t]) for t in trees},
-    )
+    drafting = [c for s in shapes if not s.tree and draft_steps(s) for c in chunks[s]]
+    step = _phase(drafting, "draft") if drafting else 0.0
+    verify = _pooled(chunks, "verify", lambda s: (s.tree, s.verify_tokens))  # one program per mask and token count
+    extend = _pooled(chunks, "extend", lambda s: s.num_steps + 1)  # a chain's or a tree's path: one program
+    tree_draft = _pooled(chunks, "draft", lambda s: (s.num_steps, s.topk), lambda s: s.tree)
+    phases = {
+        s: {
+            "draft": tree_draft[s] if s.tree else draft_steps(s) * step,
+            "verify": t_decode if s.plain else verify[s],
+            "extend": 0.0 if s.plain else extend[s],
+            "other": _phase(chunks[s], "other"),
+        }
+        for s in shapes
+    }
+    chain_rates = conditional_acceptance(*_chain_counters(counters))
+    acceptance = {s: chain_rates if not s.tree else conditional_acceptance(*counters[s]) for s in shapes}
+    return CostModel(t_decode, phases, acceptance, batch)
 
 
-def _per(configs: Sequence[Config], chunks, phase: str, key) -> dict:
-    """A phase's mean seconds per `key(config)`, over the chunks of every configuration sharing that key."""
+def _pooled(chunks, phase: str, key, runs=lambda s: not s.plain) -> dict[DraftShape, float]:
+    """Per shape that `runs` the phase: its mean seconds over the chunks of every such shape sharing `key(shape)`."""
     groups: dict[Any, list[Chunk]] = {}
-    for t in configs:
-        groups.setdefault(key(t), []).extend(chunks[t])
-    return {g: _phase(cs, phase) for g, cs in groups.items()}
+    for s in filter(runs, chunks):
+        groups.setdefault(key(s), []).extend(chunks[s])
+    return {s: _phase(groups[key(s)], phase) for s in filter(runs, chunks)}
 
 
 def _measured(chunks: list[Chunk], counters, stats: dict[str, Any], prompts: int) -> dict[str, Any]:
-    """What the steady chunks of one k measured."""
+    """What the steady chunks of one shape measured."""
     seconds = sum(c.seconds for c in chunks)
     cycles = sum(c.cycles for c in chunks)
     tokens = sum(c.tokens for c in chunks)
@@ -396,21 +401,18 @@ def _measured(chunks: list[Chunk], counters, stats: dict[str, Any], prompts: int
     }
 
 
-def _row(k: Config, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
-    """One row of the report: the model's terms and prediction for k (or a tree) next to what was measured."""
-    terms = model.terms(k)
-    e_pred, t_pred, r_pred = model.expected_tokens(k), model.cycle_time(k), model.predict(k)
+def _row(shape: DraftShape, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
+    """One row of the report: the model's terms and prediction for the shape next to what was measured."""
+    terms = model.terms(shape)
+    e_pred, t_pred, r_pred = model.expected_tokens(shape), model.cycle_time(shape), model.predict(shape)
     explanation = explain_gap(
         r_pred,
         run["tok_s"],
         {"tokens per cycle E(k)": (e_pred, run["tokens_per_cycle"]), "cycle time T(k)": (t_pred, run["cycle_s"])},
     )
-    if isinstance(k, TreeShape):
-        head = {"tree": k.label} | dataclasses.asdict(k) | {"draft_tokens": k.num_draft_tokens - 1}
-    else:
-        head = {"k": k, "draft_tokens": k}
-    return head | {
-        "draft_steps": model.draft_steps(k),
+    return {"draft": shape.label} | shape.to_dict() | {
+        "draft_tokens": shape.verify_tokens - 1,
+        "draft_steps": draft_steps(shape),
         "draft_ms": terms["draft"] * 1e3,
         "verify_ms": terms["verify"] * 1e3,
         "extend_ms": terms["extend"] * 1e3,
@@ -421,59 +423,51 @@ def _row(k: Config, model: CostModel, run: dict[str, Any]) -> dict[str, Any]:
         "measured_E": run["tokens_per_cycle"],
         "predicted_tok_s": r_pred,
         "measured_tok_s": run["tok_s"],
-        "predicted_speedup": model.speedup(k),
+        "predicted_speedup": model.speedup(shape),
         "gap": relative_gap(r_pred, run["tok_s"]),
         "gap_explanation": explanation,
         "measured_acceptance": run["acceptance"],
         "steady_chunks": run["chunks"],
         "steady_cycles": run["cycles"],
         "new_tokens": run["stats"]["new_tokens"],
-    }
-
-
-def _config_of(row: dict[str, Any]) -> dict[str, Any]:
-    """The `generate` settings of a row (chains: topk 1, num_steps + 1 verified tokens)."""
-    if "tree" in row:
-        return {"num_steps": row["num_steps"], "topk": row["topk"], "num_draft_tokens": row["num_draft_tokens"]}
-    return {"num_steps": row["k"], "topk": 1, "num_draft_tokens": row["k"] + 1}
+    }  # fmt: skip
 
 
 def _report(rows, model: CostModel, chain_counters, settings) -> dict:
     """The tuning report's results (tune.json): the rows, the recommendations and the phases."""
-    chains, trees = [r for r in rows if "k" in r], [r for r in rows if "tree" in r]
+    chains = [r for r in rows if not row_shape(r).tree]
     best = max(rows, key=lambda r: r["predicted_tok_s"])  # the first on ties: chains before trees
     measured_best = max(rows, key=lambda r: r["measured_tok_s"])
     report = {
-        "rows": chains,
-        "tree_rows": trees,
-        "recommended": _config_of(best) | {"label": best.get("tree", f"k={best.get('k')}")},
-        "measured_best": _config_of(measured_best),
+        "rows": rows,
+        "recommended": _named(row_shape(best)),
+        "measured_best": _named(row_shape(measured_best)),
         "recommended_within_3pct": best["measured_tok_s"] >= 0.97 * measured_best["measured_tok_s"],
         "gap_tolerance": GAP_TOLERANCE,
         "all_within_tolerance": all(abs(r["gap"]) <= GAP_TOLERANCE for r in rows),
     }
     if chains:  # the best chain (what tune.json files from before tree sweeps held; --presets ranks by it)
-        report["recommended_k"] = model.best_k([r["k"] for r in chains])
-        report["measured_best_k"] = max(chains, key=lambda r: r["measured_tok_s"])["k"]
-        reached, accepted = pool_counters(chain_counters.values())
+        report["recommended_k"] = model.best(row_shape(r) for r in chains).num_steps
+        report["measured_best_k"] = row_shape(max(chains, key=lambda r: r["measured_tok_s"])).num_steps
+        reached, accepted = chain_counters
+        rates = conditional_acceptance(reached, accepted)
         report["acceptance"] = {
             "reached": reached.tolist(),
             "accepted": accepted.tolist(),
-            "rate": [None if np.isnan(a) else float(a) for a in model.acceptance],
+            "rate": [None if np.isnan(a) else float(a) for a in rates],
         }
     report["phases_ms"] = {
-        "draft": model.t_draft * 1e3,
-        "verify": {str(t): v * 1e3 for t, v in model.t_verify.items()},
-        "extend": {str(t): v * 1e3 for t, v in model.t_extend.items()},
         "decode": model.t_decode * 1e3,
-        "other": {str(t): v * 1e3 for t, v in model.t_other.items()},
-        "tree_draft": {f"{s}x{k}": v * 1e3 for (s, k), v in model.t_tree_draft.items()},
-        "tree_verify": {str(t): v * 1e3 for t, v in model.t_tree_verify.items()},
-        "tree_other": {t.label: v * 1e3 for t, v in model.t_tree_other.items()},
+        "shapes": {s.label: {p: t * 1e3 for p, t in phases.items()} for s, phases in model.phases.items()},
     }
-    report["measurement"] = settings | {"pairing": "phases of a configuration timed right after every steady chunk"}
+    report["measurement"] = settings | {"pairing": "phases of a shape timed right after every steady chunk"}
     report["baseline_tok_s"] = model.baseline()
     return report
+
+
+def _named(shape: DraftShape) -> dict[str, Any]:
+    """A shape as tune.json records it (what `generate` takes, and its label)."""
+    return shape.to_dict() | {"label": shape.label}
 
 
 def _setup(timer: PhaseTimer, prompts: int, target, max_new_tokens: int, preset) -> dict:
@@ -493,27 +487,24 @@ def _setup(timer: PhaseTimer, prompts: int, target, max_new_tokens: int, preset)
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The sweep as a text table, with the recommendation and any unexplained gaps underneath."""
+    """The sweep as a text table, with the recommendation and any unexplained gaps underneath (also for a tune.json
+    from before draft shapes)."""
     lines = [" | ".join(TABLE_COLUMNS)]
-    rows = report["rows"] + report.get("tree_rows", [])
+    rows = report_rows(report)
     for r in rows:
-        name = r.get("tree", r.get("k"))
         lines.append(
-            f"{name} | {r['draft_tokens']} | {r['verify_ms']:.3f} | {r['cycle_ms']:.3f} | {r['E']:.3f} | "
+            f"{row_shape(r).label} | {r['draft_tokens']} | {r['verify_ms']:.3f} | {r['cycle_ms']:.3f} | {r['E']:.3f} | "
             f"{r['predicted_tok_s']:.1f} | {r['measured_tok_s']:.1f} | {r['gap']:+.1%}"
         )
     if "recommended_k" in report:
         lines.append(f"recommended k = {report['recommended_k']} (measured best k = {report['measured_best_k']})")
-    if report.get("tree_rows"):
-        best = report["measured_best"]
-        lines.append(
-            f"recommended: {report['recommended']['label']} (measured best: num_steps {best['num_steps']}, "
-            f"topk {best['topk']}, {best['num_draft_tokens']} draft tokens)"
-        )
+    if any(row_shape(r).tree for r in rows):
+        best, measured = (DraftShape.from_dict(report[key]).label for key in ("recommended", "measured_best"))
+        lines.append(f"recommended: {best} (measured best: {measured})")
     if "acceptance" in report:
         rates = ", ".join("-" if a is None else f"{a:.2f}" for a in report["acceptance"]["rate"])
         lines.append(f"acceptance by position: [{rates}]")
-    lines += [f"{row_label(r)}: {r['gap_explanation']}" for r in rows if r["gap_explanation"]]
+    lines += [f"{row_shape(r).label}: {r['gap_explanation']}" for r in rows if r["gap_explanation"]]
     return "\n".join(lines)
 
 
@@ -527,9 +518,10 @@ def plot(report: dict[str, Any], path: str | Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows, trees = report["rows"], report.get("tree_rows", [])
+    every = report_rows(report)
+    rows, trees = [r for r in every if not row_shape(r).tree], [r for r in every if row_shape(r).tree]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ks = [r["k"] for r in rows]
+    ks = [r["draft_tokens"] for r in rows]
     ax1.plot(ks, [r["predicted_tok_s"] for r in rows], "o--", label="chain, predicted")
     ax1.plot(ks, [r["measured_tok_s"] for r in rows], "s-", label="chain, measured")
     if trees:
@@ -537,11 +529,12 @@ def plot(report: dict[str, Any], path: str | Path) -> str | None:
         ax1.plot(x, [r["predicted_tok_s"] for r in trees], "^", mfc="none", label="tree, predicted")
         ax1.plot(x, [r["measured_tok_s"] for r in trees], "^", label="tree, measured")
         for r in trees:
-            ax1.annotate(r["tree"], (r["draft_tokens"], r["measured_tok_s"]), fontsize=7, xytext=(3, 3),
+            ax1.annotate(row_shape(r).label, (r["draft_tokens"], r["measured_tok_s"]), fontsize=7, xytext=(3, 3),
                          textcoords="offset points")  # fmt: skip
     if "recommended_k" in report:
         ax1.axvline(report["recommended_k"], color="gray", lw=0.8, ls=":", label=f"k* = {report['recommended_k']}")
-    ax1.set(xlabel="draft tokens per cycle", ylabel="tokens/s", title=f"recommended: {report['recommended']['label']}")
+    title = f"recommended: {DraftShape.from_dict(report['recommended']).label}"
+    ax1.set(xlabel="draft tokens per cycle", ylabel="tokens/s", title=title)
     ax1.legend(fontsize=8)
     rates = [np.nan if a is None else a for a in report.get("acceptance", {}).get("rate", [])]
     pos = np.arange(1, len(rates) + 1)

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import types
 from pathlib import Path
 
 import jax
@@ -11,16 +12,37 @@ import pytest
 
 from jaxspec import KimiConfig, Progress, Target
 from jaxspec.cli import tune as tune_cli
-from jaxspec.profiling.cost_model import TreeShape
+from jaxspec.decoding import DraftShape
 from jaxspec.profiling.timing import PhaseTimer
-from jaxspec.profiling.tune import TABLE_COLUMNS, format_table, parse_trees, steady_chunks, time_phases_of, tune
+from jaxspec.profiling.tune import (
+    TABLE_COLUMNS,
+    format_table,
+    parse_trees,
+    report_rows,
+    row_shape,
+    steady_chunks,
+    time_phases_of,
+    tune,
+)
 from sharding.mesh import make_mesh
 from tests.decoding.drafters import random_drafter
 
 PROMPTS = [[1, 17, 42, 7, 99], [5, 8, 13, 21, 34, 55]]
 FAST = dict(max_new_tokens=32, stream_cycles=8, inner=2, repeats=1, verbose=False)
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-ROW_FIELDS = {"k", "draft_tokens", "verify_ms", "cycle_ms", "E", "predicted_tok_s", "measured_tok_s", "gap"}
+ROW_FIELDS = {
+    "draft",
+    "num_steps",
+    "topk",
+    "num_draft_tokens",
+    "draft_tokens",
+    "verify_ms",
+    "cycle_ms",
+    "E",
+    "predicted_tok_s",
+    "measured_tok_s",
+    "gap",
+}
 
 try:
     import matplotlib  # noqa: F401
@@ -36,7 +58,8 @@ def target():
 
 
 def _check_report(report, ks, mesh):
-    assert [r["k"] for r in report["rows"]] == list(ks)
+    assert [row_shape(r) for r in report["rows"]] == [DraftShape(k) for k in ks]
+    assert [r["draft"] for r in report["rows"]] == [f"k={k}" for k in ks]
     for row in report["rows"]:
         assert ROW_FIELDS <= set(row)
         assert (row["gap_explanation"] is None) == (abs(row["gap"]) <= report["gap_tolerance"])
@@ -47,10 +70,10 @@ def _check_report(report, ks, mesh):
     assert report["measured_best_k"] in ks
     assert len(report["acceptance"]["rate"]) == max(ks) and report["acceptance"]["rate"][0] < 0.3
     for row in report["rows"]:
-        assert len(row["measured_acceptance"]) == row["k"] and row["steady_chunks"] >= 1
+        assert len(row["measured_acceptance"]) == row["num_steps"] and row["steady_chunks"] >= 1
         terms = row["draft_ms"] + row["verify_ms"] + row["extend_ms"] + row["other_ms"]
         assert row["cycle_ms"] == pytest.approx(terms) and row["other_ms"] > 0
-    assert set(report["phases_ms"]["other"]) == {str(k + 1) for k in ks}
+    assert set(report["phases_ms"]["shapes"]) == {f"k={k}" for k in ks}
     assert report["measurement"]["rounds"] == FAST["repeats"]
     assert report["mesh"] == mesh
     assert set(report["versions"]) >= {"jax", "jaxlib"} and report["versions"]["jax"] == jax.__version__
@@ -73,36 +96,34 @@ def test_tune_sweeps_trees_next_to_chains(target, tmp_path):
     """Trees in the sweep: each row's cycle is its own measured phases (whole tree draft, verify of its nodes under
     the mask, draft-extend over its deepest path, its bookkeeping), E comes from its own counters, and the
     recommendation is the highest predicted rate among chains and trees."""
-    tree = TreeShape(2, 2, 4)
-    report = tune(target, random_drafter(target), PROMPTS, (0,), trees=[(2, 2, 4)], output_dir=tmp_path, **FAST)
-    [row] = report["tree_rows"]
-    assert (row["tree"], row["num_steps"], row["topk"], row["num_draft_tokens"]) == ("2x2/4", 2, 2, 4)
+    tree = DraftShape(2, 2, 4)
+    report = tune(target, random_drafter(target), PROMPTS, (tree, 0), output_dir=tmp_path, **FAST)
+    chain, row = report["rows"]  # chains first, then trees
+    assert row_shape(chain) == DraftShape(0) and row_shape(row) == tree
+    assert (row["draft"], row["num_steps"], row["topk"], row["num_draft_tokens"]) == ("tree 2x2/4", 2, 2, 4)
     assert row["draft_tokens"] == 3 and row["draft_steps"] == 1 and len(row["measured_acceptance"]) == 2
     terms = row["draft_ms"] + row["verify_ms"] + row["extend_ms"] + row["other_ms"]
-    assert row["cycle_ms"] == pytest.approx(terms) and min(row["draft_ms"], row["other_ms"]) > 0
-    assert row["verify_ms"] == pytest.approx(report["phases_ms"]["tree_verify"]["4"])
-    assert row["extend_ms"] == pytest.approx(report["phases_ms"]["extend"]["3"])  # num_steps + 1 slots
-    assert set(report["phases_ms"]["tree_draft"]) == {"2x2"} and set(report["phases_ms"]["tree_other"]) == {"2x2/4"}
+    assert row["cycle_ms"] == pytest.approx(terms) and min(row["draft_ms"], row["extend_ms"], row["other_ms"]) > 0
+    phases = report["phases_ms"]["shapes"]["tree 2x2/4"]
+    assert phases == pytest.approx({p: row[f"{p}_ms"] for p in ("draft", "verify", "extend", "other")})
+    assert report["phases_ms"]["shapes"]["k=0"]["verify"] == pytest.approx(report["phases_ms"]["decode"])
     assert 1.0 <= row["E"] < 1.3 and row["E"] == pytest.approx(row["measured_E"], rel=0.05)  # its own counters
-    best = max(report["rows"] + report["tree_rows"], key=lambda r: r["predicted_tok_s"])
-    expected = {"num_steps": 0, "topk": 1, "num_draft_tokens": 1} if "k" in best else {
-        "num_steps": 2, "topk": 2, "num_draft_tokens": 4}  # fmt: skip
-    assert {k: report["recommended"][k] for k in expected} == expected
+    best = max(report["rows"], key=lambda r: r["predicted_tok_s"])
+    assert report["recommended"] == row_shape(best).to_dict() | {"label": best["draft"]}
     assert report["recommended_k"] == 0  # the best chain (what serve reads)
     saved = json.loads((tmp_path / "tune.json").read_text())
-    assert saved["tree_rows"][0]["tree"] == "2x2/4" and saved["recommended"] == report["recommended"]
+    assert saved["rows"][1]["draft"] == "tree 2x2/4" and saved["recommended"] == report["recommended"]
     table = format_table(report)
-    assert "\n2x2/4 | 3 | " in table and "recommended: " in table
-    assert tree.label == "2x2/4"
+    assert "\ntree 2x2/4 | 3 | " in table and "\nk=0 | 0 | " in table and "recommended: " in table
 
 
 def test_tree_shapes_parse_and_refuse_what_the_loop_does_not_run(target):
-    assert parse_trees("4:2:8, 3x3/8") == [TreeShape(4, 2, 8), TreeShape(3, 3, 8)]
-    assert TreeShape(3, 2, 7) in parse_trees("default")
+    assert parse_trees("4:2:8, 3x3/8, tree 3x2/7") == [DraftShape(4, 2, 8), DraftShape(3, 3, 8), DraftShape(3, 2, 7)]
+    assert DraftShape(3, 2, 7) in parse_trees("default")
     # Ranges: every shape of the product that holds its token count (2 steps of topk 2 hold at most 6 candidates + 1).
-    assert parse_trees("2-3:2:6-8") == [TreeShape(2, 2, 6), TreeShape(2, 2, 7), TreeShape(3, 2, 6), TreeShape(3, 2, 7),
-                                        TreeShape(3, 2, 8)]  # fmt: skip
-    assert parse_trees("1:2-3:3, 1:2:3") == [TreeShape(1, 2, 3), TreeShape(1, 3, 3)]  # duplicates once
+    assert parse_trees("2-3:2:6-8") == [DraftShape(2, 2, 6), DraftShape(2, 2, 7), DraftShape(3, 2, 6),
+                                        DraftShape(3, 2, 7), DraftShape(3, 2, 8)]  # fmt: skip
+    assert parse_trees("1:1-3:3, 1:2:3") == [DraftShape(1, 2, 3), DraftShape(1, 3, 3)]  # no chain; duplicates once
     for text, message in [("1:2:4-9", "no shape in this range"), ("3:2:8-6", "1 <= A <= B"), ("3:a-b:6", "A-B")]:
         with pytest.raises(ValueError, match=message):
             parse_trees(text)
@@ -110,13 +131,16 @@ def test_tree_shapes_parse_and_refuse_what_the_loop_does_not_run(target):
         ("4:2", "STEPS:TOPK:TOKENS"),
         ("a:b:c", "STEPS:TOPK:TOKENS"),
         ("3:1:4", "topk = 1 is a chain"),
+        ("3", "topk = 1 is a chain"),
+        ("2:2:9", r"num_draft_tokens: expected an integer in \[2, 7\]"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_trees(text)
-    with pytest.raises(ValueError, match="trees: 2x2/9: num_draft_tokens: expected 2..7"):
-        tune(target, random_drafter(target), PROMPTS, (0,), trees=[(2, 2, 9)], **FAST)
     with pytest.raises(ValueError, match="need a drafter"):
-        tune(target, None, PROMPTS, (0,), trees=[(2, 2, 4)], **FAST)
+        tune(target, None, PROMPTS, (0, DraftShape(2, 2, 4)), **FAST)
+    narrow = types.SimpleNamespace(config=types.SimpleNamespace(draft_vocab_size=4))  # read before anything runs
+    with pytest.raises(ValueError, match="drafts: tree 1x8/9: topk: expected at most the draft vocabulary \\(4\\)"):
+        tune(target, narrow, PROMPTS, (DraftShape(1, 8),), **FAST)
     with pytest.raises(ValueError, match="nothing to sweep"):
         tune(target, None, PROMPTS, (), **FAST)
 
@@ -155,14 +179,16 @@ def test_steady_chunks_skip_prefill_finished_prompts_and_phase_timing():
 
 def test_phase_set_per_depth(target):
     timer = PhaseTimer(target, random_drafter(target), batch=2, cache_len=64, context=16, inner=1)
-    assert set(time_phases_of(timer, 0)) == {"decode", "other"}
-    two = time_phases_of(timer, 2)  # k = 1 is the same set without "draft" (no drafter step: d_1 comes from extend)
+    assert set(time_phases_of(timer, DraftShape(0))) == {"decode", "other"}
+    two = time_phases_of(
+        timer, DraftShape(2)
+    )  # k = 1 is the same set without "draft" (no drafter step: d_1 comes from extend)
     assert set(two) == {"verify", "extend", "draft", "other"} and all(v > 0 for v in two.values())
     assert two["other"] < two["verify"]  # accept/commit bookkeeping is cheap next to a target forward
     assert timer.tree_verify(4, warmup=0, reps=1) > 0  # a 4-node tree under its ancestor mask
-    tree = time_phases_of(timer, TreeShape(3, 2, 6))
+    tree = time_phases_of(timer, DraftShape(3, 2, 6))
     assert set(tree) == {"draft", "verify", "extend", "other"} and all(v > 0 for v in tree.values())
-    assert time_phases_of(timer, TreeShape(1, 2, 3))["draft"] > 0  # the root's top-k alone, no drafter step
+    assert time_phases_of(timer, DraftShape(1, 2, 3))["draft"] > 0  # the root's top-k alone, no drafter step
 
 
 def test_tune_without_a_steady_chunk_says_what_to_change(target):
@@ -174,7 +200,7 @@ def test_tune_without_a_steady_chunk_says_what_to_change(target):
 def test_tune_rejects_bad_sweeps(target):
     with pytest.raises(ValueError, match="drafter"):
         tune(target, None, PROMPTS, (0, 1), **FAST)
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match=r"drafts: -1: num_steps: expected an integer in \[0, 16\]"):
         tune(target, None, PROMPTS, (-1, 0), **FAST)
 
 
@@ -224,7 +250,7 @@ def test_cli_arguments_and_prompts_file(tmp_path):
         tune_cli.run(p.parse_args(["--preset", "tiny", "--prompts-file", str(bad)]))
     with pytest.raises(SystemExit, match="--trees: .*num_draft_tokens"):
         tune_cli.run(p.parse_args(["--preset", "tiny", "--trees", "3:2:40"]))
-    with pytest.raises(SystemExit, match="--trees: tree shape 'x'"):
+    with pytest.raises(SystemExit, match="--trees: draft shape 'x'"):
         tune_cli.run(p.parse_args(["--preset", "tiny", "--trees", "x"]))
 
 
@@ -234,13 +260,13 @@ def test_recorded_bundled_tuning_meets_the_criteria(name):
     tune_bundled_trees): every predicted rate within 10% of the measured one (trees included), the recommendation
     within 3% of the measured best, the run's setup recorded; docs/tuning.md shows the tables as recorded."""
     report = json.loads((RESULTS / name / "tune.json").read_text())
-    every = report["rows"] + report.get("tree_rows", [])
+    every = report_rows(report)  # recorded before draft shapes: chains in "rows", trees in "tree_rows"
     assert all(abs(r["gap"]) <= 0.10 for r in every) and report["all_within_tolerance"]
-    best = max(r["measured_tok_s"] for r in report["rows"])
-    rows = {r["k"]: r for r in report["rows"]}
-    assert rows[report["recommended_k"]]["measured_tok_s"] >= 0.97 * best
+    rows = {row_shape(r): r for r in every}
+    best = max(r["measured_tok_s"] for s, r in rows.items() if not s.tree)
+    assert rows[DraftShape(report["recommended_k"])]["measured_tok_s"] >= 0.97 * best
     if name == "tune_bundled_trees":  # the recommendation is among chains and trees
-        assert len(report["tree_rows"]) == 4
+        assert sum(s.tree for s in rows) == 4
         recommended = max(every, key=lambda r: r["predicted_tok_s"])
         assert recommended["measured_tok_s"] >= 0.97 * max(r["measured_tok_s"] for r in every)
     assert report["recommended_within_3pct"]
