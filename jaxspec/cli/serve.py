@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 from pathlib import Path
 
 from jaxspec.cli.args import (
@@ -16,6 +15,7 @@ from jaxspec.cli.args import (
     add_num_steps_args,
     add_tree_args,
     auto_num_steps,
+    draft_shape,
     use_bundled_pair,
 )
 
@@ -148,14 +148,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _engine_config(args: argparse.Namespace, num_steps: int):
     """The engine settings of the flags (errors as one line naming the problem)."""
-    from jaxspec.decoding.draft_shape import DraftShape
     from jaxspec.serving.engine import EngineConfig
 
-    try:
-        draft = DraftShape(num_steps, args.topk, args.num_draft_tokens)
-    except ValueError as e:
-        flags = re.sub(r"\b(topk|num_steps|num_draft_tokens)\b", lambda m: "--" + m[1].replace("_", "-"), str(e))
-        raise SystemExit(f"jaxspec serve: {flags}") from None
+    def fail(message: str):
+        raise SystemExit(f"jaxspec serve: {message}")
+
+    draft = draft_shape(argparse.Namespace(**(vars(args) | {"num_steps": num_steps})), fail)
     try:
         return EngineConfig(draft=draft, **_engine_fields(args))
     except ValueError as e:

@@ -181,10 +181,7 @@ def generate(
     state = _decode(loop, loop_cfg, target, drafter, state, budget, (on_cycles, on_progress), len(ids))
     seconds = time.perf_counter() - start
     out = _collect(state, len(ids))
-    stats = _stats(state, out, shape.num_steps, seconds) | {
-        "draft": shape.label,
-        "topk": shape.topk,
-        "num_draft_tokens": shape.verify_tokens,  # tokens one verify step takes
+    stats = _stats(state, out, shape, seconds) | {
         "compiles": loop.traces - traces_before,
         "buckets": {"batch": layout.batch, "prompt": layout.prompt, "buffer": layout.buffer},
     }
@@ -277,7 +274,8 @@ def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:
         on_progress(Progress(tokens_so_far, int(state.cycles), reached, accepted, done_B[:n].tolist()))
 
 
-def _stats(state, out: list[list[int]], num_steps: int, seconds: float) -> dict[str, Any]:
+def _stats(state, out: list[list[int]], draft: DraftShape, seconds: float) -> dict[str, Any]:
+    num_steps = draft.num_steps
     reached, accepted = np.asarray(state.reached_J), np.asarray(state.accepted_J)
     hist = np.asarray(state.accept_hist_T)
     new_tokens = sum(len(t) for t in out)
@@ -285,6 +283,9 @@ def _stats(state, out: list[list[int]], num_steps: int, seconds: float) -> dict[
         "cycles": int(state.cycles),
         "new_tokens": new_tokens,
         "num_steps": num_steps,
+        "draft": draft.label,
+        "topk": draft.topk,
+        "num_draft_tokens": draft.verify_tokens,  # tokens one verify step takes
         "reached": reached.tolist(),
         "accepted": accepted.tolist(),
         "acceptance_rate": (accepted / np.maximum(reached, 1)).tolist(),

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.spec_loop import SpecLoop
 from jaxspec.decoding.state import LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, RowResult, Segment, StepPlan, StepResult
 
@@ -41,7 +41,7 @@ class Executor:
         self.target, self.draft = target, draft
         self.drafter = drafter if not draft.plain else None
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
-        self.loop = SpecLoop(target, self.drafter)
+        self.loop = LoopCache.of(target).loop(target, self.drafter)  # shared: another executor reuses its programs
         self.per_row = LoopConfig(draft, None, tuple(stop_ids), prefill_chunk, prefill_chunk)
         self.greedy = dataclasses.replace(self.per_row, sampling=Sampling())
         # Chains only: the static-greedy program leaves a placeholder in greedy rows' draft_q_BV, which a per-row
@@ -49,8 +49,6 @@ class Executor:
         # only the target), so there is nothing to fix.
         self._greedy_leaves_q = not draft.plain and not draft.tree
         self._q_stale = False
-        self._admit = jax.jit(lambda state, row, init: state.admit(row, init), donate_argnums=0)
-        self._free = jax.jit(lambda state, row: state.free(row), donate_argnums=0)
         self.state = self._empty()
 
     def reset(self) -> None:
@@ -67,10 +65,10 @@ class Executor:
     def run(self, plan: StepPlan) -> StepResult:
         """Run `plan` (free, admit, prefill, segment, read) and return what its reads found."""
         for row in plan.free:
-            self.state = self._free(self.state, np.int32(row))
+            self.state = _free(self.state, np.int32(row))
         for a in plan.admit:
             init = RowInit.of(a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context)
-            self.state = self._admit(self.state, np.int32(a.row), init)
+            self.state = _admit(self.state, np.int32(a.row), init)
         for chunk in plan.prefill:
             self.state = self.loop.prefill_slot(
                 self.per_row, *self._params(), self.state, np.int32(chunk.row), np.int32(chunk.start)
@@ -117,6 +115,10 @@ class Executor:
             RowResult(r.row, tuple(tokens_BS[r.row, r.start : end_B[r.row]].tolist()), bool(done_B[r.row]))
             for r in plan.read
         )
+
+
+_admit = jax.jit(LoopState.admit, donate_argnums=0)
+_free = jax.jit(LoopState.free, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

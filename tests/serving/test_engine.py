@@ -113,3 +113,44 @@ def test_warp_rows_equals_warp_per_row():
         np.testing.assert_allclose(np.exp(got[b]), np.exp(want), atol=1e-6, err_msg=str(s))
     tiny = np.asarray(warp_rows(logits[:1], RowSampling.of([Sampling(1e-30)])))
     assert not np.isnan(tiny).any() and (np.exp(tiny).sum(-1) > 0.999).all()
+
+
+def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_run(engine, prompts, pair):
+    """Every plan of a serving run (greedy and sampled requests, one without a seed, one cancelled mid-run), sent
+    through its serialised form to a fresh executor, gives back the same results: tokens, done flags and counters.
+    The plan is all an executor needs (what the other processes of a multi-process server get)."""
+    from jaxspec.serving.executor import Executor
+    from jaxspec.serving.plan import StepPlan
+
+    log, run = [], engine.executor.run
+    engine.executor.run = lambda plan: log.append((plan.to_bytes(), run(plan))) or log[-1][1]
+    try:
+        requests = [
+            Request(prompts[0], 10),
+            Request(prompts[3], 12, Sampling(0.8, top_k=20), seed=5),
+            Request(prompts[6], 9, Sampling(1.0)),  # no seed: the scheduler draws one into the plan
+            Request(prompts[1], 30),
+        ]
+        for r in requests:
+            engine.submit(r)
+        while not requests[3].tokens:
+            engine.step()
+        engine.cancel(requests[3])
+        engine.run_until_idle()
+    finally:
+        del engine.executor.run
+    assert all(r.finished for r in requests) and requests[3].finish_reason == "cancelled"
+    target, drafter, _ = pair
+    c = engine.config
+    fresh = Executor(
+        target,
+        drafter,
+        c.draft,
+        max_batch=c.max_batch,
+        max_context=c.max_context,
+        prefill_chunk=c.prefill_chunk,
+        stop_ids=engine.stop_ids,
+    )
+    replayed = [fresh.run(StepPlan.from_bytes(plan)) for plan, _ in log]
+    assert replayed == [result for _, result in log]
+    assert sum(len(row.tokens) for result in replayed for row in result.rows) == sum(len(r.tokens) for r in requests)
