@@ -113,6 +113,7 @@ def _num_steps(args, bundled: bool) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Load the pair, compile the engine (warm-up), then serve until interrupted."""
+    import jax
     import jax.numpy as jnp
     import uvicorn
 
@@ -136,8 +137,21 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.model, mesh=make_mesh(args.mesh) if args.mesh else None, dtype=dtype)
     drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
+    channel = None
+    if jax.process_count() > 1:  # one server over several processes: process 0 decides, the others follow
+        from jaxspec.serving.fanout import LostLeader, PlanChannel, follow
+
+        channel = PlanChannel()
+        if jax.process_index() != 0:
+            engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)  # the same programs as process 0's
+            log.info("process %d: running process 0's plans", jax.process_index())
+            try:
+                follow(engine.executor, channel)
+            except LostLeader as e:
+                raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
+            return 0
     metrics = Metrics(config.draft, config.max_batch)
-    engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics)
+    engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel)
     engine.warmup(log.info)
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)
     app = create_app(engine, tokenizer, name, chat_format=args.chat_format)

@@ -22,8 +22,9 @@ from typing import Any
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
+from jaxspec.serving import fanout
 from jaxspec.serving.executor import Executor
-from jaxspec.serving.plan import Segment
+from jaxspec.serving.plan import Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler, StepReport
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "Request"]
@@ -104,7 +105,11 @@ class Engine:
     """Continuous batching with speculative decoding. Drive it with `start()` (a background thread) or call `step()`
     yourself (tests). `submit` and `cancel` are thread-safe."""
 
-    def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, stop_ids=(), metrics=None):
+    def __init__(
+        self, target, drafter, config: EngineConfig = EngineConfig(), *, stop_ids=(), metrics=None, channel=None
+    ):
+        """`channel`: a `fanout.PlanChannel` when the mesh spans several processes (this is process 0): every plan
+        goes to the other processes before it runs here."""
         draft = config.draft
         if not draft.plain and drafter is None:
             raise ValueError(f"num_steps={draft.num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
@@ -129,6 +134,7 @@ class Engine:
             prefill_chunk=config.prefill_chunk,
             stop_ids=self.stop_ids,
         )
+        self.channel = channel
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._counters = None  # the loop's counters after the last step, for metric deltas
@@ -170,12 +176,15 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._observe(self.scheduler.abandon("cancelled"))
+        if self.channel is not None:
+            self.channel.publish(fanout.STOP)
+            self.channel = None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
         """One step: schedule, execute, update. Returns False when there was nothing to do."""
         plan = self.scheduler.schedule()
-        result = self.executor.run(plan)
+        result = self._run(plan)
         self._observe(self.scheduler.update(result))
         if result.counters is not None:
             self._observe_counters(result.counters)
@@ -199,17 +208,18 @@ class Engine:
         self.submit(Request([1] * 3, 2 + draft.num_steps, Sampling(1.0), seed=0))
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
-        programs = (False, True) if cfg.greedy_program else (False,)
+        # Greedy first: the per-row segment after it compiles the fix of greedy rows' draft distributions too.
+        programs = (True, False) if cfg.greedy_program else (False,)
         for b in cfg.buckets:
             for s in cfg.contexts:
                 for greedy in programs:
-                    # The dummy request finishes in its first cycles; then these run only to compile.
-                    self.executor.segment(Segment(b, s, draft, greedy, cfg.segment_cycles))
+                    # The dummy request finishes in its first cycles; then these run only to compile. A plan of its
+                    # own (step 0: not the scheduler's), so the other processes of a server compile them too.
+                    self._run(StepPlan(0, segment=Segment(b, s, draft, greedy, cfg.segment_cycles)))
             on_progress(
                 f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(programs)} programs compiled "
                 f"({time.perf_counter() - start:.1f}s)"
             )
-        self.executor.fix_greedy_q()
         self.run_until_idle()
         second = Request([1] * 3, 8)
         self.submit(second)
@@ -221,6 +231,12 @@ class Engine:
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ internals
+    def _run(self, plan: StepPlan) -> StepResult:
+        """Run `plan` here, after sending it to the other processes (which run every plan in the same order)."""
+        if self.channel is not None:
+            self.channel.publish(plan.to_bytes())
+        return self.executor.run(plan)
+
     def _observe(self, report: StepReport) -> None:
         if self.metrics is None:
             return
@@ -255,5 +271,7 @@ class Engine:
             except Exception:  # a failed device call must not take the server down: fail what ran, start clean
                 log.exception("engine step failed; failing the running requests and resetting the slots")
                 self._observe(self.scheduler.abandon("error", queued=False))
+                if self.channel is not None:
+                    self.channel.publish(fanout.RESET)
                 self.executor.reset()
                 self._counters = None

@@ -96,11 +96,6 @@ class Executor:
         part = self.loop.run(program, *self._params(), _window(self.state, segment.rows, segment.positions), cycles)
         self.state = _put(self.state, part)
 
-    def fix_greedy_q(self) -> None:
-        """Give greedy rows the draft distribution the per-row program expects (harmless on any state)."""
-        if self._greedy_leaves_q:
-            self.state, self._q_stale = _fix_greedy_q(self.state), False
-
     def counters(self) -> Counters:
         """The loop's running totals (cycles, per-depth reached / accepted, the accepted-length histogram)."""
         s = self.state
