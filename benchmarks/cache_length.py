@@ -200,8 +200,8 @@ def write(args, cfg, dtype, sizes, rows, kv_block, jax) -> None:
                 next((r for r in rows if (r["mesh"], r["version"], r["buffer"]) == (mesh, v, S)), None)
                 for v in ("before", "after")
             )
-            times = lambda r: "-" if r is None else f"{r['step_ms']:.2f} / {r['step_ms_min']:.2f}"  # noqa: E731
-            nbytes = lambda r: "-" if r is None else f"{r['cache_bytes_read_per_step_per_device']:,}"  # noqa: E731
+            times = lambda r: "-" if r is None else f"{r['step_ms']:.2f} / {r['step_ms_min']:.2f}"
+            nbytes = lambda r: "-" if r is None else f"{r['cache_bytes_read_per_step_per_device']:,}"
             ratio = "-" if a is None or b is None else f"{b['step_ms'] / a['step_ms']:.2f}"
             diff = "-" if a is None or "max_rel_diff_vs_before" not in a else f"{a['max_rel_diff_vs_before']:.1e}"
             lines.append(f"| {mesh} | {S} | {times(b)} | {times(a)} | {ratio} | {nbytes(b)} | {nbytes(a)} | {diff} |")

@@ -75,7 +75,7 @@ def write_synthetic(path: Path, layers: int, experts: int, hidden: int, dtype: s
     rng = np.random.default_rng(0)
     D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.moe_intermediate_size
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-    rand = lambda shape: rng.standard_normal(shape, dtype=np.float32).astype(np_dtype)  # noqa: E731
+    rand = lambda shape: rng.standard_normal(shape, dtype=np.float32).astype(np_dtype)
     weight_map: dict[str, str] = {}
     top = {"model.embed_tokens.weight": rand((V, D)), "model.norm.weight": rand((D,)), "lm_head.weight": rand((V, D))}
     save_file(top, path / "top.safetensors")

@@ -43,7 +43,7 @@ def main() -> None:
     for k in (0, args.num_steps):
         rows = []
         for n in lengths:
-            run = lambda n=n, k=k: generate(target, drafter if k else None, [prompt], max_new_tokens=n, num_steps=k)  # noqa: E731
+            run = lambda n=n, k=k: generate(target, drafter if k else None, [prompt], max_new_tokens=n, num_steps=k)
             run()  # compile
             times = []
             for _ in range(args.repeats):

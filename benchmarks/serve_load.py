@@ -60,7 +60,7 @@ def wait_ready(proc: subprocess.Popen, base: str, log: Path) -> None:
 def scrape(base: str) -> dict[str, float]:
     """Cumulative counters: cycles, row cycles, accepted drafts (summed over positions), generated tokens."""
     text = httpx.get(f"{base}/metrics").text
-    total = lambda name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))  # noqa: E731
+    total = lambda name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
     return {
         "cycles": total("jaxspec_cycles_total"),
         "row_cycles": total("jaxspec_row_cycles_total"),

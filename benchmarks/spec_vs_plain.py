@@ -67,7 +67,7 @@ def main() -> None:
 
     rows = []
     for k in range(args.max_k + 1):
-        run = lambda k=k: generate(  # noqa: E731
+        run = lambda k=k: generate(
             target,
             drafter if k else None,
             prompts,

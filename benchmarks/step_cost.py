@@ -92,7 +92,7 @@ def load_before():
     from jaxspec.models.moe import LayerSlice
 
     def layer(w):  # what the layer scan handed the old path: this layer's whole expert stack (a copy)
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, w.layer, 0, keepdims=False)  # noqa: E731
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, w.layer, 0, keepdims=False)
         return jax.tree.map(take, w.stack) if isinstance(w, LayerSlice) else w
 
     def routed_experts(x, idx, w, *weights, impl="auto", interpret=None):

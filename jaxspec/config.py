@@ -346,7 +346,7 @@ def read_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     for name in ("factor", "original_max_position_embeddings"):
         if scaling.get(name) is None:
             raise ConfigError(f"rope_scaling.{name}: required for yarn")
-    opt = lambda k: None if scaling.get(k) is None else float(scaling[k])  # noqa: E731
+    opt = lambda k: None if scaling.get(k) is None else float(scaling[k])
     return float(theta), RopeScaling(
         factor=float(scaling["factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),

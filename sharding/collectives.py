@@ -274,7 +274,7 @@ def sharded_top_k(logits_local: Any, k: int, axis_name: str) -> tuple[Any, Any]:
     vals, ids = jax.lax.top_k(logits_local, k)
     ids = ids.astype(jnp.int32) + me * v_local
     slots = (*vals.shape[:-1], n * k)
-    place = lambda x: jax.lax.dynamic_update_slice_in_dim(jnp.zeros(slots, x.dtype), x, me * k, axis=-1)  # noqa: E731
+    place = lambda x: jax.lax.dynamic_update_slice_in_dim(jnp.zeros(slots, x.dtype), x, me * k, axis=-1)
     all_vals = jax.lax.psum(place(vals.astype(jnp.float32)), axis_name)
     all_ids = jax.lax.psum(place(ids), axis_name)
     top_vals, pos = jax.lax.top_k(all_vals, k)

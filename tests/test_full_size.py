@@ -37,6 +37,7 @@ def test_kimi_k25_tree_verify_shards_and_fits_like_a_chain_verify():
     the bf16 figures with that pass disabled)."""
     from sharding import inspect
     from sharding.mesh import make_mesh
+    from tests.sharding.hlo_checks import find_weight_all_gathers
 
     target = Target.abstract(KimiConfig.preset("kimi-k2.5"), mesh=make_mesh("1x8"), dtype=jnp.float32)
     chain = inspect.memory_report(target.compile_step(1, 16, 4096))["temp_bytes"]
@@ -44,5 +45,5 @@ def test_kimi_k25_tree_verify_shards_and_fits_like_a_chain_verify():
         compiled = target.compile_step(1, nodes, 4096, tree=True)
         executed = {k: v["executed"] for k, v in inspect.collective_census(compiled).items() if v["executed"]}
         assert executed == {"all-reduce": 2 * 61 + 1}, (nodes, executed)
-        assert inspect.find_weight_all_gathers(compiled, target.params) == []
+        assert find_weight_all_gathers(compiled, target.params) == []
         assert inspect.memory_report(compiled)["temp_bytes"] <= 1.05 * chain + 2**26, nodes

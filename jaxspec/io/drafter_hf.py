@@ -54,7 +54,7 @@ def _mla_table(cfg: Eagle3Config) -> list[tuple[str, tuple[int, ...], Any, Any]]
         return w.transpose(1, 2, 0).reshape(-1, w.shape[0])
 
     a = "attn."
-    vec = lambda key: (lambda w: {a + key: w}, lambda get: get(a + key))  # noqa: E731
+    vec = lambda key: (lambda w: {a + key: w}, lambda get: get(a + key))
     return [
         ("{L}self_attn.q_a_proj.weight", (Q, 2 * D), lambda w: {a + "q_a": w.T}, lambda get: get(a + "q_a").T),
         ("{L}self_attn.q_a_layernorm.weight", (Q,), *vec("q_a_norm")),

@@ -128,7 +128,7 @@ def hf_tensors(cfg: KimiConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> d
     """HF-named tensors from a nested dict shaped like `nnx.state(KimiModel)` (numpy or jax leaves), through the
     name table `jaxspec.io.hf.read_params` reads with."""
     np_dtype = np.dtype(jnp.dtype(dtype))
-    cast = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).astype(np_dtype))  # noqa: E731
+    cast = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).astype(np_dtype))
     out = _write_rows(top_table(cfg), params, cast)
     k = cfg.first_k_dense_replace
     for layer in range(cfg.num_hidden_layers):

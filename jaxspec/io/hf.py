@@ -341,7 +341,7 @@ def read_params(ckpt: SafetensorsDir, cfg: KimiConfig, *, int4_experts: bool, dt
     """
     dtype = np.dtype(dtype)
     reader = Reader(ckpt)
-    cast = lambda a: None if a is None else np.asarray(a).astype(dtype)  # noqa: E731
+    cast = lambda a: None if a is None else np.asarray(a).astype(dtype)
     params = reader.rows(top_table(cfg), cast)
     k = cfg.first_k_dense_replace
     for stack, layers, moe in (

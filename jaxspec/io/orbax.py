@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.config import KimiConfig
 from jaxspec.io.hf import CheckpointError
@@ -163,20 +162,22 @@ def _zeros(abstract: Any) -> Any:
 def _layer_slice(sds: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     """One layer of a stacked parameter: drop the leading axis from shape and sharding."""
     spec = tuple(sds.sharding.spec) + (None,) * (len(sds.shape) - len(sds.sharding.spec))
-    return jax.ShapeDtypeStruct(sds.shape[1:], sds.dtype, sharding=NamedSharding(sds.sharding.mesh, P(*spec[1:])))
+    return jax.ShapeDtypeStruct(
+        sds.shape[1:], sds.dtype, sharding=NamedSharding(sds.sharding.mesh, PartitionSpec(*spec[1:]))
+    )
 
 
 def _swap_last(sds: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     """The same array with its last two axes (and their sharding) swapped: how a float expert stack is stored."""
     spec = tuple(sds.sharding.spec) + (None,) * (len(sds.shape) - len(sds.sharding.spec))
     shape, spec = (*sds.shape[:-2], sds.shape[-1], sds.shape[-2]), (*spec[:-2], spec[-1], spec[-2])
-    return jax.ShapeDtypeStruct(shape, sds.dtype, sharding=NamedSharding(sds.sharding.mesh, P(*spec)))
+    return jax.ShapeDtypeStruct(shape, sds.dtype, sharding=NamedSharding(sds.sharding.mesh, PartitionSpec(*spec)))
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
 def _put(stacked: Any, layer: Any, index: jax.Array, swapped: frozenset) -> Any:
     """Write one layer into every stacked parameter at `index` (leading axis), swapping the last two axes of the
     leaves in `swapped` first (a local transpose: their shardings were swapped too)."""
-    put = lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), index, 0)  # noqa: E731
+    put = lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), index, 0)
     layer = {p: jnp.swapaxes(x, -1, -2) if p in swapped else x for p, x in layer.items()}
     return jax.tree.map(put, stacked, layer)

@@ -114,7 +114,7 @@ class Split:
     def plan(cls, cfg: Eagle3Config, model_shards: int, rules: ShardingRules = DEFAULT_RULES) -> Split:
         """Split a dim when the rules map it to the model axis (the axis the forward reduces over) and it divides."""
         axis = rules.model_axis
-        split = lambda logical, *sizes: logical == axis and all(s % model_shards == 0 for s in sizes)  # noqa: E731
+        split = lambda logical, *sizes: logical == axis and all(s % model_shards == 0 for s in sizes)
         return cls(
             heads=split(rules.heads, cfg.num_attention_heads, cfg.num_key_value_heads),
             mlp=split(rules.mlp, cfg.intermediate_size),
@@ -293,7 +293,7 @@ class Eagle3Model(nnx.Module):
             k_BSOZ, v_BSOZ, kv_pos_BS = k_BTOZ, v_BTOZ, pos_BT
         else:
             # Each sequence writes its T new entries contiguously from its first query position (as in mla.py).
-            write = lambda c, n, p: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (p, 0, 0))  # noqa: E731
+            write = lambda c, n, p: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (p, 0, 0))
             cache = tuple(jax.vmap(write)(c, n, pos_BT[:, 0]) for c, n in zip(cache, (k_BTOZ, v_BTOZ), strict=True))
             k_BSOZ, v_BSOZ = (c.astype(a_BTW.dtype) for c in cache)
             kv_pos_BS = jnp.broadcast_to(jnp.arange(k_BSOZ.shape[1]), k_BSOZ.shape[:2])
@@ -314,7 +314,7 @@ class Eagle3Model(nnx.Module):
     def _attend_tree(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B):
         """Llama attention of tree nodes over [cache | scratch] (see `tree_step`)."""
         q_BKNZ, k_BKOZ, v_BKOZ = self.project_qkv(a_BKW, pos_BK)
-        put = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), write_at, axis=1)  # noqa: E731
+        put = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), write_at, axis=1)
         scratch = tuple(put(c, n) for c, n in zip(scratch, (k_BKOZ, v_BKOZ), strict=True))
         k_BSOZ, v_BSOZ = (
             jnp.concatenate([c, s], axis=1).astype(a_BKW.dtype) for c, s in zip(cache, scratch, strict=True)

@@ -42,14 +42,14 @@ def merge_softmax(a: Softmax, b: Softmax) -> Softmax:
     m_b_BNT, l_b_BNT, acc_b = b
     m_BNT = jnp.maximum(m_a_BNT, m_b_BNT)
     w_a_BNT, w_b_BNT = jnp.exp(m_a_BNT - m_BNT), jnp.exp(m_b_BNT - m_BNT)
-    to_out = lambda w_BNT: w_BNT.transpose(0, 2, 1)[..., None]  # noqa: E731  [B,N,T] -> [B,T,N,1]
+    to_out = lambda w_BNT: w_BNT.transpose(0, 2, 1)[..., None]  # [B,N,T] -> [B,T,N,1]
     return m_BNT, l_a_BNT * w_a_BNT + l_b_BNT * w_b_BNT, acc_a * to_out(w_a_BNT) + acc_b * to_out(w_b_BNT)
 
 
 def tree_attention(
     block_fn: BlockFn,
     init: Softmax,
-    fresh_BSK: jax.Array,
+    fresh_BSY: jax.Array,
     cache_LBSY: jax.Array,
     layer: jax.Array | int,
     prefix_len_B: jax.Array,
@@ -60,23 +60,23 @@ def tree_attention(
 ) -> Softmax:
     """Softmax state of T tree queries over the cached prefix of `layer` and the fresh tokens they may see.
 
-    `block_fn` is an mla.py block function built from the queries (absorbed or expanded form), `fresh_BSK` the S
+    `block_fn` is an mla.py block function built from the queries (absorbed or expanded form), `fresh_BSY` the S
     fresh entries (latent | rotated RoPE key) that are not in the cache and `mask_BTS` which of them each query sees:
     for a verify step the T tree nodes themselves (S = T) and the tree's ancestor-or-self mask; for an MLA drafter's
     tree steps its scratch entries and `TreeDraft.lineage`. Cache slots at or past a row's `prefix_len_B` are never
     read into the result.
     """
     B, T = mask_BTS.shape[:2]
-    if fresh_BSK.ndim != 3 or fresh_BSK.shape[0] != B or mask_BTS.shape != (B, T, fresh_BSK.shape[1]):
+    if fresh_BSY.ndim != 3 or fresh_BSY.shape[0] != B or mask_BTS.shape != (B, T, fresh_BSY.shape[1]):
         raise ValueError(
-            f"fresh_BSK / mask_BTS: expected [B, S, K] / [B, T, S], got {fresh_BSK.shape}, {mask_BTS.shape}"
+            f"fresh_BSY / mask_BTS: expected [B, S, Y] / [B, T, S], got {fresh_BSY.shape}, {mask_BTS.shape}"
         )
     with jax.named_scope("prefix"):
         # Query position prefix - 1 makes mla.py's causal mask (slot <= position) exactly "slot < prefix".
         last_prefix_BT = jnp.broadcast_to((prefix_len_B - 1)[:, None], (B, T)).astype(jnp.int32)
         prefix = attend_live_prefix(cache_LBSY, layer, last_prefix_BT, block_fn, init, scale, kv_block, dtype)
     with jax.named_scope("fresh"):
-        fresh = online_softmax(init, *block_fn(fresh_BSK.astype(dtype)), mask_BTS, scale)
+        fresh = online_softmax(init, *block_fn(fresh_BSY.astype(dtype)), mask_BTS, scale)
     return merge_softmax(prefix, fresh)
 
 

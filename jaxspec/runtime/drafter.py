@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, KVCache, Split, concat_captured
 from jaxspec.runtime.target import Target
@@ -65,12 +64,12 @@ class Drafter:
         """The sharding rules of the drafter's own parameters (heads replicated unless split)."""
         return self.split.rules_for(self.rules)
 
-    def cache_specs(self) -> tuple[P, ...]:
+    def cache_specs(self) -> tuple[PartitionSpec, ...]:
         """PartitionSpecs of the cache arrays. Llama (k, v) [B, S, O, Z]: batch over data, KV heads over model if
         split. MLA (latent [B, S, C+R],): batch over data, the latent shared by all heads."""
         if self.config.mla is not None:
-            return (P(self.rules.batch, None, None),)
-        return (P(self.rules.batch, None, self.rules.heads if self.split.heads else None, None),) * 2
+            return (PartitionSpec(self.rules.batch, None, None),)
+        return (PartitionSpec(self.rules.batch, None, self.rules.heads if self.split.heads else None, None),) * 2
 
     def apply(
         self,
@@ -98,7 +97,7 @@ class Drafter:
         def local(params, tokens, hidden, pos, cache):
             return nnx.merge(self.graphdef, params)(tokens, hidden, pos, cache, first_step=first_step)
 
-        specs = (P(batch, None), P(batch, None, None), P(batch, None), cache_spec)
+        specs = (PartitionSpec(batch, None), PartitionSpec(batch, None, None), PartitionSpec(batch, None), cache_spec)
         return self._sharded_step(local, params, (tokens_BT, hidden, pos_BT, cache), specs, cache_spec)
 
     def apply_tree(
@@ -127,8 +126,15 @@ class Drafter:
             return model.tree_step(tokens, hidden, pos, cache, scratch, write_at, mask, prefix)
 
         args = (tokens_BK, hidden_BKD, pos_BK, cache, scratch, mask_BKM, prefix_len_B)
-        specs = (P(batch, None), P(batch, None, None), P(batch, None), cache_spec, cache_spec, P(batch, None, None))
-        return self._sharded_step(local, params, args, (*specs, P(batch)), cache_spec)
+        specs = (
+            PartitionSpec(batch, None),
+            PartitionSpec(batch, None, None),
+            PartitionSpec(batch, None),
+            cache_spec,
+            cache_spec,
+            PartitionSpec(batch, None, None),
+        )
+        return self._sharded_step(local, params, args, (*specs, PartitionSpec(batch)), cache_spec)
 
     def _sharded_step(self, local, params, args: tuple, specs: tuple, cache_spec) -> tuple[jax.Array, jax.Array, Any]:
         """`local(params, *args)` -> (logits, h2, cache) per device under shard_map, each argument resharded to its
@@ -147,8 +153,8 @@ class Drafter:
             mesh=self.mesh,
             in_specs=(Target.param_specs(params, self.param_rules), *specs),
             out_specs=(
-                P(batch, None, self.rules.vocab if self.split.vocab else None),
-                P(batch, None, None),
+                PartitionSpec(batch, None, self.rules.vocab if self.split.vocab else None),
+                PartitionSpec(batch, None, None),
                 cache_spec,
             ),
         )
@@ -170,7 +176,7 @@ class Drafter:
         )
         specs = Target.param_specs(abstract, split.rules_for(target.rules))
         shardings = jax.tree.map(lambda spec: NamedSharding(target.mesh, spec), specs)
-        make = lambda: nnx.state(Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(seed)))  # noqa: E731
+        make = lambda: nnx.state(Eagle3Model(cfg, dtype=dtype, split=split, rngs=nnx.Rngs(seed)))
         params = jax.jit(make, out_shardings=shardings)()
         params["embed"] = params["embed"].replace(target.params["embed"].get_value())
         d2t = None if d2t is None else np.asarray(d2t, np.int32)

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import KimiConfig
 from jaxspec.models.kimi import KimiModel
@@ -172,9 +171,9 @@ class Target:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def cache_spec(self) -> P:
+    def cache_spec(self) -> PartitionSpec:
         """PartitionSpec of the latent cache [L, B, S, C+R]: batch over data, replicated over model."""
-        return P(None, self.rules.batch, None, None)
+        return PartitionSpec(None, self.rules.batch, None, None)
 
     def apply(
         self,
@@ -200,11 +199,11 @@ class Target:
         batch, capture = self.rules.batch, tuple(int(c) for c in capture)
         cache_spec = None if cache_LBSY is None else self.cache_spec()
         if head == "logits":
-            head_spec = P(batch, None, self.rules.model_axis)
+            head_spec = PartitionSpec(batch, None, self.rules.model_axis)
         elif head == "argmax":
-            head_spec = P(batch, None)
+            head_spec = PartitionSpec(batch, None)
         elif isinstance(head, int) and head > 0:
-            head_spec = (P(batch, None, None), P(batch, None, None))
+            head_spec = (PartitionSpec(batch, None, None), PartitionSpec(batch, None, None))
         else:
             raise ValueError(f"head must be 'logits', 'argmax' or a positive int k, got {head!r}")
 
@@ -219,16 +218,16 @@ class Target:
                 logits = sharded_top_k(logits, head, self.rules.model_axis)
             return logits, cache, captured
 
-        reshard = lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
-        tokens_BT, pos_BT = reshard(tokens_BT, P(batch, None)), reshard(pos_BT, P(batch, None))
-        cache_LBSY = reshard(cache_LBSY, cache_spec)
-        mask_spec = None if tree_mask_BTS is None else P(batch, None, None)
+        reshard = lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+        rows = PartitionSpec(batch, None)
+        tokens_BT, pos_BT, cache_LBSY = reshard(tokens_BT, rows), reshard(pos_BT, rows), reshard(cache_LBSY, cache_spec)
+        mask_spec = None if tree_mask_BTS is None else PartitionSpec(batch, None, None)
         tree_mask_BTS = reshard(tree_mask_BTS, mask_spec)
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(self.param_specs(params, self.rules), P(batch, None), P(batch, None), cache_spec, mask_spec),
-            out_specs=(head_spec, cache_spec, P(None, batch, None, None)),
+            in_specs=(self.param_specs(params, self.rules), rows, rows, cache_spec, mask_spec),
+            out_specs=(head_spec, cache_spec, PartitionSpec(None, batch, None, None)),
         )
         return fn(params, tokens_BT, pos_BT, cache_LBSY, tree_mask_BTS)
 
@@ -236,18 +235,18 @@ class Target:
         """After a tree verify: move each row's accepted path to consecutive cache slots (`tree.compact_path`),
         per data shard (traceable)."""
         batch, cache_spec = self.rules.batch, self.cache_spec()
-        reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec))  # noqa: E731
+        reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
         fn = jax.shard_map(
             lambda c, n, p, a: compact_path(c, n, p, a, batch_axis=1),
             mesh=self.mesh,
-            in_specs=(cache_spec, P(batch), P(batch, None), P(batch)),
+            in_specs=(cache_spec, PartitionSpec(batch), PartitionSpec(batch, None), PartitionSpec(batch)),
             out_specs=cache_spec,
         )
         return fn(
             reshard(cache_LBSY, cache_spec),
-            reshard(prefix_len_B, P(batch)),
-            reshard(path, P(batch, None)),
-            reshard(num_accepted_B, P(batch)),
+            reshard(prefix_len_B, PartitionSpec(batch)),
+            reshard(path, PartitionSpec(batch, None)),
+            reshard(num_accepted_B, PartitionSpec(batch)),
         )
 
     def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits", tree: bool = False):
@@ -255,7 +254,7 @@ class Target:
         `tokens` nodes under its ancestor mask) for abstract inputs; nothing is allocated beyond what `params` already
         holds. Used by `jaxspec inspect` and the full-size benchmark."""
         cfg, mesh = self.config, self.mesh
-        batch_sharding = NamedSharding(mesh, P(self.rules.batch, None))
+        batch_sharding = NamedSharding(mesh, PartitionSpec(self.rules.batch, None))
         ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
         cache = jax.ShapeDtypeStruct(
             (cfg.num_hidden_layers, batch, cache_len, cfg.latent_dim),
@@ -266,7 +265,9 @@ class Target:
             step = jax.jit(lambda p, t, q, c: self.apply(p, t, q, c, head=head), donate_argnums=3)
             return step.lower(self.params, ids, ids, cache).compile()
         mask = jax.ShapeDtypeStruct(
-            (batch, tokens, tokens), jnp.bool_, sharding=NamedSharding(mesh, P(self.rules.batch, None, None))
+            (batch, tokens, tokens),
+            jnp.bool_,
+            sharding=NamedSharding(mesh, PartitionSpec(self.rules.batch, None, None)),
         )
         step = jax.jit(lambda p, t, q, c, m: self.apply(p, t, q, c, head=head, tree_mask_BTS=m), donate_argnums=3)
         return step.lower(self.params, ids, ids, cache, mask).compile()

@@ -42,8 +42,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxspec.config import KimiConfig
@@ -190,7 +189,7 @@ class _Plan:
 
     target: Target
     graphdef: Any
-    embed_spec: P
+    embed_spec: PartitionSpec
     config: TrainConfig
 
 
@@ -200,7 +199,7 @@ def make_optimizer(config: TrainConfig):
     `config` must be resolved (`TrainConfig.resolve`)."""
     lr, warmup, steps, weight_decay, clip = config.lr, config.warmup, config.steps, config.weight_decay, config.clip
     schedule = optax.warmup_cosine_decay_schedule(lr / max(warmup, 1), lr, warmup, steps, 0.0)
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
     adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(clip), adamw), schedule
 
@@ -227,8 +226,8 @@ def _target_side(plan: _Plan, tparams, ids_BT, draft_ids_U, t2d_V):
     restrict = jax.shard_map(
         functools.partial(restrict_to_draft_vocab, axis=target.rules.model_axis),
         mesh=target.mesh,
-        in_specs=(P(batch, None, target.rules.model_axis), P(), P()),
-        out_specs=(P(batch, None, None), P(batch, None)),
+        in_specs=(PartitionSpec(batch, None, target.rules.model_axis), PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(batch, None, None), PartitionSpec(batch, None)),
     )
     tgt_BTU, in_vocab_BT = restrict(logits_BTV, draft_ids_U, t2d_V)
     return concat_captured(captured), tgt_BTU, in_vocab_BT
@@ -243,12 +242,12 @@ def _loss(plan: _Plan, params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, 
         terms = ttt_loss_terms(logits_JBTU, tgt, in_vocab, mask)
         return terms if batch is None else jax.tree.map(lambda x: jax.lax.psum(x, batch), terms)
 
-    rows, rows3 = P(batch, None), P(batch, None, None)
+    rows, rows3 = PartitionSpec(batch, None), PartitionSpec(batch, None, None)
     fn = jax.shard_map(
         local,
         mesh=plan.target.mesh,
-        in_specs=(jax.tree.map(lambda _: P(), params), plan.embed_spec, rows, rows3, rows3, rows, rows),
-        out_specs=P(),
+        in_specs=(jax.tree.map(lambda _: PartitionSpec(), params), plan.embed_spec, rows, rows3, rows3, rows, rows),
+        out_specs=PartitionSpec(),
     )
     return combine_terms(fn(params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT))
 
@@ -257,7 +256,7 @@ def _loss(plan: _Plan, params, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, 
 def _train_step(plan: _Plan, params, opt_state, tparams, ids_BT, mask_BT, draft_ids_U, t2d_V):
     aux_BTI, tgt_BTU, in_vocab_BT = _target_side(plan, tparams, ids_BT, draft_ids_U, t2d_V)
     embed_VD = tparams["embed"].get_value()
-    loss_fn = lambda p: _loss(plan, p, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT)  # noqa: E731
+    loss_fn = lambda p: _loss(plan, p, embed_VD, ids_BT, aux_BTI, tgt_BTU, in_vocab_BT, mask_BT)
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     optimizer, _ = make_optimizer(plan.config)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -368,7 +367,7 @@ class _Run:
         """Random init of the drafter's own weights (float32 master copies, replicated; the embedding is the
         target's) and of the optimizer state, or the checkpoint being resumed from."""
         draft_cfg = _draft_config(self.target.config, self.config)
-        replicated = NamedSharding(self.target.mesh, P())
+        replicated = NamedSharding(self.target.mesh, PartitionSpec())
         # RBG keys: same values for a seed on a given backend, and far cheaper to compile than threefry on CPU.
         key = jax.random.key(self.config.seed, impl="rbg")
         self.params = jax.device_put(_init_params(draft_cfg, key), replicated)
@@ -423,8 +422,8 @@ class _Run:
         draft_cfg = _draft_config(target.config, config)
         graphdef = nnx.split(nnx.eval_shape(lambda: Eagle3Model(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))[0]
         plan = _Plan(target, graphdef, target.params["embed"].get_value().sharding.spec, config)
-        replicated = NamedSharding(target.mesh, P())
-        rows = NamedSharding(target.mesh, P(target.rules.batch, None))
+        replicated = NamedSharding(target.mesh, PartitionSpec())
+        rows = NamedSharding(target.mesh, PartitionSpec(target.rules.batch, None))
         draft_ids = jax.device_put(draft_to_target_ids(self.d2t).astype(np.int32), replicated)
         t2d = jax.device_put(self.t2d, replicated)
         _, schedule = make_optimizer(config)

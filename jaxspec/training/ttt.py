@@ -214,7 +214,7 @@ def drafter_param_specs(drafter, params) -> dict[str, Any]:
     """shard_map specs for TTT, nested like `nnx.to_pure_dict(params)` (an MLA drafter's attention weights under
     "attn"): the embedding keeps its (vocab-split) layout, every other weight is whole."""
     embed = drafter.rules.spec(params["embed"].get_metadata()["logical_axes"])
-    whole = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)  # noqa: E731
+    whole = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
     return {k: embed if k == "embed" else whole(v) for k, v in nnx.to_pure_dict(params).items()}
 
 

@@ -49,7 +49,7 @@ class OracleDrafter:
             return 20.0 * jax.nn.one_hot(nxt_BT, V, dtype=jnp.float32)
         decoy_BT = (pos_BT + 2) % self.decoy_every == 0
         right, wrong = jnp.where(decoy_BT, 10.0, 20.0), jnp.where(decoy_BT, 20.0, 0.0)
-        one_hot = lambda t: jax.nn.one_hot(t, V, dtype=jnp.float32)  # noqa: E731
+        one_hot = lambda t: jax.nn.one_hot(t, V, dtype=jnp.float32)
         return right[..., None] * one_hot(nxt_BT) + wrong[..., None] * one_hot((nxt_BT + 1) % V)
 
     def apply(self, params, tokens_BT, hidden, pos_BT, cache, *, first_step):

@@ -144,7 +144,7 @@ def test_sampling_is_lossless(peaky, sampling, which):
 def check_pairs_follow_target(target, prompt: list[int], pairs: np.ndarray, sampling: Sampling) -> None:
     """Chi-square: the (first, second) generated tokens [n, 2] after `prompt` follow the target's joint warped
     distribution (rare cells pooled); no token outside the warped support."""
-    warped = lambda logits: np.exp(np.asarray(warp(jnp.asarray(logits), sampling)))  # noqa: E731
+    warped = lambda logits: np.exp(np.asarray(warp(jnp.asarray(logits), sampling)))
     p_first = warped(np.asarray(target.logits([prompt]))[0, -1])
     firsts = np.unique(pairs[:, 0])
     p_second = warped(np.asarray(target.logits([prompt + [int(f)] for f in firsts]))[:, -1])

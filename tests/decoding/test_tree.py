@@ -70,7 +70,7 @@ def check_lineage(draft: tr.TreeDraft):
 def reference_tree(logp_VV: np.ndarray, root: int, topk: int, num_steps: int, num_draft_tokens: int):
     """SGLang's tree selection in python: (tokens, parents, depths, scores) of the kept nodes, the root first.
     Ties rank the lower candidate index first (as torch.topk / lax.top_k on equal values here)."""
-    best = lambda scores, k: sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]  # noqa: E731
+    best = lambda scores, k: sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
     cands = [(logp_VV[root, c], c, -1, 1) for c in best(list(logp_VV[root]), topk)]  # (score, token, parent, depth)
     frontier = list(range(topk))
     for step in range(2, num_steps + 1):
@@ -184,7 +184,7 @@ def test_topk_1_is_the_chain():
 def test_bad_tree_settings_name_the_field():
     shape = jax.eval_shape  # the checks run at trace time: nothing is compiled
     logits = jax.ShapeDtypeStruct((2, V), jnp.float32)
-    zeros = lambda *shape_, dtype=jnp.float32: jax.ShapeDtypeStruct(shape_, dtype)  # noqa: E731
+    zeros = lambda *shape_, dtype=jnp.float32: jax.ShapeDtypeStruct(shape_, dtype)
     with pytest.raises(ValueError, match="topk: expected >= 1"):
         shape(lambda x: tr.first_expansion(x, 0), logits)
     with pytest.raises(ValueError, match="topk: expected at most the vocabulary size 6"):
@@ -365,8 +365,8 @@ def tree_pvalues(sampling, topk, num_steps, num_draft_tokens, mode, drafter):
     # A fresh closure, so nothing is reused from a trace made before a negative control monkeypatched the rule.
     static = (sampling, topk, num_steps, num_draft_tokens, mode)
     jitted = jax.jit(lambda key, root_N, t_VV, d_VV: sampling_cycle(key, root_N, t_VV, d_VV, *static))
-    cycle = lambda seed, root_N: map(np.asarray, jitted(jax.random.key(seed), root_N, target_VV, draft_VV))  # noqa: E731
-    first_of = lambda path_NJ, accepted_N, next_N: np.where(accepted_N >= 1, path_NJ[:, 1], next_N)  # noqa: E731
+    cycle = lambda seed, root_N: map(np.asarray, jitted(jax.random.key(seed), root_N, target_VV, draft_VV))
+    first_of = lambda path_NJ, accepted_N, next_N: np.where(accepted_N >= 1, path_NJ[:, 1], next_N)
     path1_NJ, accepted1_N, next1_N = cycle(1, np.zeros(N, np.int32))
     first_N = first_of(path1_NJ, accepted1_N, next1_N)
     # Where the first cycle emitted a single token, the second comes from a cycle rooted at it.

@@ -356,7 +356,7 @@ def test_bad_checkpoints(spec_ckpt, target, tmp_path):
     # A drafter narrower than the target can only run with its own embedding.
     narrow = ref.make_model(np.zeros((V, 32), np.float32), SPEC_IDS, hidden=32, intermediate=48, draft_vocab=U)
     narrow.save_pretrained(tmp_path / "narrow")
-    narrow_cfg = lambda c: {**c, "target_hidden_size": D}  # noqa: E731
+    narrow_cfg = lambda c: {**c, "target_hidden_size": D}
     bad = _edit(
         tmp_path / "narrow", tmp_path / "narrow_bad", config=narrow_cfg, tensors=lambda t: t.pop("embed_tokens.weight")
     )  # noqa: E501

@@ -6,6 +6,8 @@ Triton (CUDA) lowerings in Python and emits the `tpu_custom_call` / `triton_kern
 (Mosaic's layout passes, ptxas) run only on the device: that part is checked by benchmarks/device_check.sh.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,14 +110,32 @@ def export_text(backend: str, platform: str, n_in: int, n_out: int, rows: int) -
     return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=allow)(x, w, expert).mlir_module()
 
 
+def check_kernel_call(text: str, target: str, kernel: str, n_in: int, n_out: int, rows: int) -> None:
+    """The exported module makes exactly one call to the `kernel` lowering (`target` custom call), which reads the
+    packed INT4 weights and their group scales as stored (never a dequantised copy) and returns the [4*rows, n_out]
+    bf16 result that `main` returns."""
+    calls = [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+    assert len(calls) == 1, f"expected one {target} call, found {len(calls)}"
+    assert kernel in calls[0], f"the {target} call does not run {kernel}"
+    operands, result = re.search(r":\s*\(([^()]*)\)\s*->\s*(tensor<[^>]*>)\s*loc", calls[0]).groups()
+    operands = operands.split(", ")
+    out = f"tensor<{4 * rows}x{n_out}xbf16>"
+    assert result == out and f"-> ({out} " in text, (result, out)
+    packed, scale = rf"tensor<(1x)?48x{n_in // 2}x{n_out}xui8>", rf"tensor<(1x)?48x{n_in // 32}x{n_out}xbf16>"
+    count = lambda pattern: sum(re.fullmatch(pattern, o) is not None for o in operands)
+    assert (count(packed), count(scale), count(rf"tensor<(1x)?48x{n_in}x{n_out}x\w+>")) == (1, 1, 0), operands
+
+
 @pytest.mark.parametrize("n_in, n_out", [(7168, 2048), SLOW(2048, 7168)])  # Kimi's gate/up and down shapes
 def test_tpu_mosaic_lowering_at_kimi_widths(n_in, n_out):
-    assert "tpu_custom_call" in export_text("tpu", "tpu", n_in, n_out, rows=16)
+    text = export_text("tpu", "tpu", n_in, n_out, rows=16)
+    check_kernel_call(text, "tpu_custom_call", 'kernel_name = "_tpu_kernel"', n_in, n_out, rows=16)
 
 
 @pytest.mark.parametrize("n_in, n_out", [(7168, 2048), SLOW(2048, 7168)])
 def test_cuda_triton_lowering_at_kimi_widths(n_in, n_out):
-    assert TRITON_CALL in export_text("triton", "cuda", n_in, n_out, rows=16)
+    text = export_text("triton", "cuda", n_in, n_out, rows=16)
+    check_kernel_call(text, TRITON_CALL, 'name = "_triton_kernel"', n_in, n_out, rows=16)
 
 
 def test_bad_shapes_and_backend_are_refused():

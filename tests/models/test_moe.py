@@ -65,7 +65,7 @@ def sharded(mesh_shape: str, check_vma: bool = True, **kw):
     )
 
     def run(x, idx, w, *weights):
-        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
         weights = [jax.tree.map(lambda a: put(a, P(MODEL)), v) for v in weights]
         return np.asarray(local(*(put(a, P()) for a in (x, idx, w)), *weights))
 
@@ -123,7 +123,7 @@ def test_xla_loop_runs_one_iteration_per_hit_expert(tokens):
 
     @jax.jit
     def iterations(x, tiles, *weights):
-        run = lambda x, tiles, *w: moe._experts_xla(x, tiles, *w, rows, MODEL)[1][None]  # noqa: E731
+        run = lambda x, tiles, *w: moe._experts_xla(x, tiles, *w, rows, MODEL)[1][None]
         return jax.shard_map(run, mesh=single_device_mesh(), in_specs=P(), out_specs=P(MODEL))(x, tiles, *weights)[0]
 
     n = iterations(jnp.zeros((len(expert), D)), tiles, *weights)
@@ -186,7 +186,7 @@ def test_compiled_decode_step_never_copies_or_dequantises_a_whole_expert_stack()
     }
     for comp in (c for name, c in hlo.computations.items() if name not in fused):
         for instr in comp.instructions.values():
-            dims = [tuple(d) for _, d in inspect.parse_shape(instr.shape)]
+            dims = [tuple(d) for _, d in inspect.parse_hlo_shape(instr.shape)]
             if instr.opcode not in plumbing and any(d[-3:] in stacks for d in dims if len(d) >= 3):
                 offenders.append(f"{instr.opcode} {instr.shape}")
             expert_reads += instr.opcode == "fusion" and any(d in one_expert for d in dims)

@@ -71,7 +71,7 @@ def poisoned_cache(rng, prefix_B, S, extra_live=0):
 
 def dense_reference(q_nope, q_rope, cache, fresh, prefix_B, mask_BTS, w_uk, w_uv, scale):
     """float64 expanded-form attention of every query over its visible keys only: [B,T,N,A]."""
-    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    f64 = lambda x: np.asarray(x, np.float64)
     q_nope, q_rope, cache, fresh, w_uk, w_uv = map(f64, (q_nope, q_rope, cache, fresh, w_uk, w_uv))
     B, T, N, _ = q_nope.shape
     out = np.zeros((B, T, N, w_uv.shape[-1]))
@@ -127,7 +127,7 @@ def test_tree_attention_equals_dense_masked_softmax(layer, prefix, T, S):
         q_nope, q_rope, cache, fresh, prefix_B, mask, mla.kv_b_k[...], mla.kv_b_v[...], mla.softmax_scale
     )
     np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
-    with pytest.raises(ValueError, match=r"fresh_BSK / mask_BTS: expected \[B, S, K\] / \[B, T, S\]"):
+    with pytest.raises(ValueError, match=r"fresh_BSY / mask_BTS: expected \[B, S, Y\] / \[B, T, S\]"):
         jax.eval_shape(partial(_tree_core, graphdef), params, q_nope, q_rope, fresh, cache, prefix_B, mask[:, :, 1:])
 
 

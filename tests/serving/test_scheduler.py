@@ -313,7 +313,7 @@ def test_program_is_static_greedy_only_while_every_occupied_row_is_greedy():
     plan, _ = step(scheduler, executor)
     assert plan.prefill and not plan.segment.greedy  # a sampled row still prefilling already counts
     assert plan.admit[0].sampling == Sampling(0.7, top_k=5)
-    drain_until = lambda: sampled.finished  # noqa: E731
+    drain_until = lambda: sampled.finished
     while not drain_until():
         assert not step(scheduler, executor)[0].segment.greedy
     assert step(scheduler, executor)[0].segment.greedy

@@ -126,7 +126,7 @@ def test_sixteen_concurrent_mixed_requests(client, pair, prompts, reference):
 
 def test_disconnect_mid_stream_frees_the_slot(server):
     _, base, _ = server
-    count = lambda reason: metric(base, "jaxspec_requests_total", f'{{finish_reason="{reason}"}}')  # noqa: E731
+    count = lambda reason: metric(base, "jaxspec_requests_total", f'{{finish_reason="{reason}"}}')
     cancelled, finished = count("cancelled"), count("length") + count("stop")
     # Greedy from [5, 6, 7] runs past 1000 tokens without eos: seconds of decoding, so the slot is still held
     # when the occupancy is read after the first token (200 tokens finished first once decoding got faster).

@@ -12,18 +12,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharding.inspect import (
-    all_gathers,
     collective_census,
     device_param_bytes,
-    find_weight_all_gathers,
     format_report,
     memory_report,
     param_bytes,
-    parse_shape,
+    parse_hlo_shape,
     per_device_param_bytes,
     shape_bytes,
-    while_loops,
 )
+from tests.sharding.hlo_checks import all_gathers, find_weight_all_gathers, while_loops
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +69,7 @@ def test_shape_bytes(shape: str, nbytes: int) -> None:
 
 
 def test_parse_shape_and_unknown_dtype() -> None:
-    assert parse_shape("(s32[], bf16[4,16]{1,0})") == [("s32", ()), ("bf16", (4, 16))]
+    assert parse_hlo_shape("(s32[], bf16[4,16]{1,0})") == [("s32", ()), ("bf16", (4, 16))]
     with pytest.raises(ValueError, match="unknown HLO element type 'q7'"):
         shape_bytes("q7[3]")
 

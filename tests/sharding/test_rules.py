@@ -31,7 +31,7 @@ def _logits(params, rules: ShardingRules, mesh) -> np.ndarray:
     specs = Target.param_specs(params, rules)
     params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     pos = np.broadcast_to(np.arange(TOKENS.shape[1], dtype=np.int32), TOKENS.shape)
-    local = lambda p, t, q: nnx.merge(graphdef, p)(t, q)[0]  # noqa: E731
+    local = lambda p, t, q: nnx.merge(graphdef, p)(t, q)[0]
     out = PartitionSpec(None, None, rules.vocab)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, PartitionSpec(), PartitionSpec()), out_specs=out)
     return np.asarray(jax.jit(fn)(params, TOKENS, pos))

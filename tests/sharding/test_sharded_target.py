@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspec import KimiConfig, Target
 from sharding import inspect
 from sharding.mesh import make_mesh
+from tests.sharding.hlo_checks import find_weight_all_gathers
 
 CFG = KimiConfig.preset("tiny").replace(num_hidden_layers=4)
 TOKENS = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 14))
@@ -55,7 +56,7 @@ def test_decode_step_hlo_two_all_reduces_per_layer_and_no_weight_gathers():
     assert census["all-reduce"]["executed_exact"]
     others = {k: v["executed"] for k, v in census.items() if k != "all-reduce" and v.get("executed")}
     assert others == {}, others
-    assert inspect.find_weight_all_gathers(compiled, target.params) == []
+    assert find_weight_all_gathers(compiled, target.params) == []
 
 
 def test_full_preset_is_sharded_as_the_table_says():
@@ -117,5 +118,5 @@ def test_greedy_head_never_gathers_the_vocabulary():
         for comp in inspect.parse_hlo(compiled).computations.values():
             for instr in comp.instructions.values():
                 if inspect.collective_kind(instr.opcode):
-                    dims = {d for _, shape in inspect.parse_shape(instr.shape) for d in shape}
+                    dims = {d for _, shape in inspect.parse_hlo_shape(instr.shape) for d in shape}
                     assert not dims & vocab_dims, (head, instr.shape)

@@ -65,11 +65,6 @@ def plan_tiles(expert_sorted: jax.Array, n_experts: int, rows: int, *, aligned: 
     return Tiles(e, start.astype(jnp.int32), start_E[e], end_E[e], num.reshape(1))
 
 
-def default_backend() -> Backend | None:
-    """The Pallas lowering for the default JAX backend, or None where there is none (CPU)."""
-    return {"tpu": "tpu", "gpu": "triton"}.get(jax.default_backend())
-
-
 def _dequant_dot(x_even, x_odd, packed, scale, group_size: int) -> jax.Array:
     """x_even @ lo + x_odd @ hi in fp32, where lo/hi are bf16(q * scale) of the two nibbles of `packed` [in/2, out]."""
     half, o = packed.shape
@@ -109,7 +104,7 @@ def _tpu_kernel(
 
     @pl.when(t < num_ref[0])
     def _():
-        load = lambda k, ks: (xe_ref[:, k], xo_ref[:, k], p_ref[k, :], s_ref[ks, :])  # noqa: E731
+        load = lambda k, ks: (xe_ref[:, k], xo_ref[:, k], p_ref[k, :], s_ref[ks, :])
         acc = _tile_dot(load, p_ref.shape[0], group_size, "tpu")
         keep = row_mask(s_ref_start[t], lo_ref[t], hi_ref[t], rows)
         o_ref[...] = jnp.where(keep, acc.astype(o_ref.dtype), o_ref[...])
@@ -125,7 +120,7 @@ def _triton_kernel(
         e, start = e_ref[t], start_ref[t]
         r, c = pl.ds(start, rows), pl.ds(j * cols, cols)
         i = layer_ref[0]
-        load = lambda k, ks: (xe_ref[r, k], xo_ref[r, k], p_ref[i, e, k, c], s_ref[i, e, ks, c])  # noqa: E731
+        load = lambda k, ks: (xe_ref[r, k], xo_ref[r, k], p_ref[i, e, k, c], s_ref[i, e, ks, c])
         acc = _tile_dot(load, p_ref.shape[2], g, "triton")
         keep = row_mask(start, lo_ref[t], hi_ref[t], rows)
         pltriton.store(o_ref.at[r, c], acc.astype(o_ref.dtype), mask=jnp.broadcast_to(keep, acc.shape))
@@ -167,7 +162,7 @@ def grouped_matmul(
         x_spec = pl.BlockSpec(
             (rows, n_in // 2), lambda j, t, e, s, *_: (jax.lax.div(s[t], rows), 0)
         )  # starts >= 0: truncating div (no sign op)
-        w_spec = lambda n: pl.BlockSpec((None, None, n, cols), lambda j, t, e, *a: (a[-1][0], e[t], 0, j))  # noqa: E731
+        w_spec = lambda n: pl.BlockSpec((None, None, n, cols), lambda j, t, e, *a: (a[-1][0], e[t], 0, j))
         spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
