@@ -76,7 +76,7 @@ def test_multi_gpu_dry_run_on_the_bundled_pair(tmp_path):
         assert f"\n[{n}] " in out, f"step {n} missing:\n{out}"
     assert "platform cpu: 8 device(s)" in out and "collective preset 'cpu-sim'" in out
     assert "restore the target on mesh {'data': 1, 'model': 8}" in out
-    assert "and 1 tree shape(s)" in out and re.search(r"recommended (k=\d|2x2/4): measured", out), out
+    assert "and 1 tree shape(s)" in out and re.search(r"recommended (k=\d|tree 2x2/4): measured", out), out
     assert "mean accepted length" in out
     assert (tmp_path / "converted" / "jaxspec_checkpoint.json").is_file()  # the conversion completed
     assert (tmp_path / "converted" / "tune" / "tune.json").is_file()
