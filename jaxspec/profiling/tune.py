@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -258,7 +259,7 @@ def tune(
     report = _report(rows, model, _chain_counters(counters), settings) | setup
     if verbose:
         print(format_table(report))
-    if output_dir is not None:
+    if output_dir is not None and jax.process_index() == 0:  # every process measures; process 0 writes
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "tune.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -472,7 +473,6 @@ def _named(shape: DraftShape) -> dict[str, Any]:
 
 def _setup(timer: PhaseTimer, prompts: int, target, max_new_tokens: int, preset) -> dict:
     """What the report was measured on: batch, mesh, collective preset, platform and versions."""
-    import jax
     import jaxlib
 
     return {
