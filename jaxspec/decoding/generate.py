@@ -22,6 +22,7 @@ from jaxspec.decoding import tree
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.spec_loop import LoopConfig, SpecLoop
 from sharding.mesh import DATA
+from sharding.multihost import put_global, to_host
 
 MAX_NUM_STEPS = 16
 MAX_TOPK = 16
@@ -204,7 +205,7 @@ def _decode(loop: SpecLoop, loop_cfg: LoopConfig, target, drafter, layout, state
     state = loop.prefill(loop_cfg, target.params, dparams, tcache, draft_cache, state_in)
     while True:
         state = loop.run(loop_cfg, target.params, dparams, state, jnp.int32(budget))
-        done_B = np.asarray(state.done_B)
+        done_B = to_host(state.done_B)
         if on_cycles is not None or on_progress is not None:
             _report(state, done_B, n, on_cycles, on_progress)
         if done_B.all():
@@ -286,20 +287,21 @@ class _Layout:
         return min(PREFILL_CHUNK, self.prompt)
 
     def state_in(self, ids: list[list[int]], target, max_new_tokens: int, seed: int) -> dict[str, jax.Array]:
-        """The loop's inputs: padded prompts and per-row lengths and budgets, replicated on the target's mesh."""
+        """The loop's inputs: padded prompts and per-row lengths and budgets, replicated on the target's mesh (which
+        may span several processes)."""
         tokens = np.zeros((self.batch, self.buffer), np.int32)
         prompt_len = np.ones((self.batch,), np.int32)
         for i, p in enumerate(ids):
             tokens[i, : len(p)] = p
             prompt_len[i] = len(p)
-        rep = NamedSharding(target.mesh, P())
-        return {
-            "tokens_BS": jax.device_put(tokens, rep),
-            "prompt_len_B": jax.device_put(prompt_len, rep),
-            "max_new_B": jax.device_put(np.full((self.batch,), max_new_tokens, np.int32), rep),
-            "pad_B": jax.device_put(np.arange(self.batch) >= len(ids), rep),
-            "key": jax.device_put(jax.random.key(int(seed)), rep),
+        host = {
+            "tokens_BS": tokens,
+            "prompt_len_B": prompt_len,
+            "max_new_B": np.full((self.batch,), max_new_tokens, np.int32),
+            "pad_B": np.arange(self.batch) >= len(ids),
+            "key": jax.random.key(int(seed)),
         }
+        return put_global(host, NamedSharding(target.mesh, P()))
 
 
 def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:
@@ -308,16 +310,15 @@ def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:
     if on_cycles is not None:
         on_cycles(tokens_so_far)
     if on_progress is not None:
-        reached, accepted = np.asarray(state.reached_J).copy(), np.asarray(state.accepted_J).copy()
-        on_progress(Progress(tokens_so_far, int(state.cycles), reached, accepted, done_B[:n].tolist()))
+        reached, accepted, cycles = to_host((state.reached_J, state.accepted_J, state.cycles))
+        on_progress(Progress(tokens_so_far, int(cycles), reached.copy(), accepted.copy(), done_B[:n].tolist()))
 
 
 def _stats(state, out: list[list[int]], num_steps: int, seconds: float) -> dict[str, Any]:
-    reached, accepted = np.asarray(state.reached_J), np.asarray(state.accepted_J)
-    hist = np.asarray(state.accept_hist_T)
+    reached, accepted, hist, cycles = to_host((state.reached_J, state.accepted_J, state.accept_hist_T, state.cycles))
     new_tokens = sum(len(t) for t in out)
     return {
-        "cycles": int(state.cycles),
+        "cycles": int(cycles),
         "new_tokens": new_tokens,
         "num_steps": num_steps,
         "reached": reached.tolist(),
@@ -331,5 +332,5 @@ def _stats(state, out: list[list[int]], num_steps: int, seconds: float) -> dict[
 
 
 def _collect(state, n: int) -> list[list[int]]:
-    tokens, start, end = (np.asarray(x) for x in (state.tokens_BS, state.prompt_len_B, state.end_B))
+    tokens, start, end = to_host((state.tokens_BS, state.prompt_len_B, state.end_B))  # on every process
     return [tokens[i, start[i] : end[i]].tolist() for i in range(n)]
