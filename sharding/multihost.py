@@ -8,9 +8,11 @@ the multi-process case, so every process must call them in the same order with t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Sharding
@@ -34,6 +36,17 @@ def put_global(host: Any, sharding: Sharding) -> Any:
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     return jax.tree.map(put, host)
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> jax.Array:
+    """Zeros made in their shards by each device (nothing crosses processes; `jax.device_put` of a device array onto
+    a sharding spanning processes would first gather it everywhere to check that the processes agree)."""
+    return _zeros_program(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=64)  # one small compiled program per (shape, dtype, sharding), as jax caches its own
+def _zeros_program(shape: tuple[int, ...], dtype: jnp.dtype, sharding: Sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def to_host(tree: Any) -> Any:
