@@ -72,19 +72,36 @@ def select_devices(spec: str, devices: Sequence[jax.Device] | None = None) -> li
 
 
 def init_distributed(
-    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    initialization_timeout: int = 300,
+    heartbeat_timeout: int = 60,
 ) -> None:
     """Join a multi-host run before anything touches a device; `make_mesh` then spans every process's devices.
 
     With no arguments JAX reads the cluster from the environment (TPU pod slices, SLURM, Open MPI, or
     JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). On one host with local devices, skip this call.
+    Every process waits up to `initialization_timeout` seconds for the others to join; once joined, a process that
+    stops answering for `heartbeat_timeout` seconds (killed, or its host lost) makes the coordination service end
+    every other process with an error naming it, instead of leaving them waiting in a collective.
     """
     given = [coordinator_address is not None, num_processes is not None, process_id is not None]
     if any(given) and not all(given):
         raise ValueError("init_distributed: give coordinator_address, num_processes and process_id together (or none)")
     if num_processes is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"init_distributed: process_id {process_id} not in [0, num_processes={num_processes})")
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    for name, value in (("initialization_timeout", initialization_timeout), ("heartbeat_timeout", heartbeat_timeout)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_distributed: {name} must be a whole number of seconds >= 1, got {value!r}")
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout,
+    )
 
 
 def single_device_mesh() -> Mesh:

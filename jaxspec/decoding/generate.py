@@ -20,6 +20,7 @@ from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.spec_loop import SpecLoop
 from jaxspec.decoding.state import LoopConfig, LoopState
 from sharding.mesh import DATA
+from sharding.multihost import to_host
 
 MIN_PROMPT_BUCKET = 16
 PREFILL_CHUNK = 256
@@ -197,7 +198,7 @@ def _decode(loop: SpecLoop, loop_cfg: LoopConfig, target, drafter, state: LoopSt
     state = loop.prefill(loop_cfg, target.params, dparams, state)
     while True:
         state = loop.run(loop_cfg, target.params, dparams, state, jnp.int32(budget))
-        done_B = np.asarray(state.done_B)
+        done_B = to_host(state.done_B)
         if on_cycles is not None or on_progress is not None:
             _report(state, done_B, n, on_cycles, on_progress)
         if done_B.all():
@@ -270,17 +271,16 @@ def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:
     if on_cycles is not None:
         on_cycles(tokens_so_far)
     if on_progress is not None:
-        reached, accepted = np.asarray(state.reached_J).copy(), np.asarray(state.accepted_J).copy()
-        on_progress(Progress(tokens_so_far, int(state.cycles), reached, accepted, done_B[:n].tolist()))
+        reached, accepted, cycles = to_host((state.reached_J, state.accepted_J, state.cycles))
+        on_progress(Progress(tokens_so_far, int(cycles), reached.copy(), accepted.copy(), done_B[:n].tolist()))
 
 
 def _stats(state, out: list[list[int]], draft: DraftShape, seconds: float) -> dict[str, Any]:
     num_steps = draft.num_steps
-    reached, accepted = np.asarray(state.reached_J), np.asarray(state.accepted_J)
-    hist = np.asarray(state.accept_hist_T)
+    reached, accepted, hist, cycles = to_host((state.reached_J, state.accepted_J, state.accept_hist_T, state.cycles))
     new_tokens = sum(len(t) for t in out)
     return {
-        "cycles": int(state.cycles),
+        "cycles": int(cycles),
         "new_tokens": new_tokens,
         "num_steps": num_steps,
         "draft": draft.label,
@@ -297,5 +297,5 @@ def _stats(state, out: list[list[int]], draft: DraftShape, seconds: float) -> di
 
 
 def _collect(state, n: int) -> list[list[int]]:
-    tokens, start, end = (np.asarray(x) for x in (state.tokens_BS, state.prompt_len_B, state.end_B))
+    tokens, start, end = to_host((state.tokens_BS, state.prompt_len_B, state.end_B))  # on every process
     return [tokens[i, start[i] : end[i]].tolist() for i in range(n)]

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import RowSampling, Sampling
 from jaxspec.decoding.sampling_params import MAX_STOP_IDS
+from sharding.multihost import put_global
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ class LoopState:
             return fields
 
         replicated = NamedSharding(mesh, PartitionSpec())
-        return jax.jit(make, out_shardings=replicated)(place(np.uint32(seed), replicated))
+        return jax.jit(make, out_shardings=replicated)(put_global(np.uint32(seed), replicated))
 
     def with_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> LoopState:
         """Rows 0..len(prompts)-1 hold `prompts` (padded into the token buffer) with a budget of `max_new_tokens`;
@@ -163,7 +164,7 @@ class LoopState:
             prompt_len[i] = len(p)
         rep = self.tokens_BS.sharding
         host = (tokens, prompt_len, np.int32(max_new_tokens), np.int32(len(prompts)))
-        return _fill(self, *(place(x, rep) for x in host))
+        return _fill(self, *put_global(host, rep))
 
     # ------------------------------------------------------------------ rows (traceable)
     def admit(self, row, init: RowInit) -> LoopState:
@@ -247,13 +248,6 @@ class RowInit:
             np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
         )
         return cls(tokens, np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
-
-
-def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A host array (the same on every process) as a global array of `sharding`: each process supplies only its own
-    devices' shards, so this works on a mesh that spans several processes, where `jax.device_put` does not."""
-    host = np.asarray(host)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 @jax.jit

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, KVCache, Split, concat_captured
 from jaxspec.runtime.target import Target
 from sharding.mesh import DATA
+from sharding.multihost import put_global, zeros
 from sharding.rules import ShardingRules
 
 
@@ -209,7 +210,7 @@ class Drafter:
             # From host memory straight to the shards (a device array would be resharded by a compiled program).
             arr = np.asarray(host[".".join(map(str, path))].reshape(expect.shape), np.dtype(expect.dtype))
             spec = rules.spec(var.get_metadata()["logical_axes"])
-            return path, var.replace(jax.device_put(arr, NamedSharding(mesh, spec)))
+            return path, var.replace(put_global(arr, NamedSharding(mesh, spec)))  # this process's shards
 
         params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
         d2t = None if d2t is None else d2t.astype(np.int32)  # offsets < vocab size
@@ -244,7 +245,7 @@ class Drafter:
             shape = (batch, max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
         else:
             shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        return tuple(jax.device_put(jnp.zeros(shape, self.dtype), NamedSharding(self.mesh, s)) for s in specs)
+        return tuple(zeros(shape, self.dtype, NamedSharding(self.mesh, s)) for s in specs)
 
     def init_scratch(self, batch: int, entries: int) -> KVCache:
         """Zeroed scratch entries for `apply_tree`: a cache of `entries` slots (traceable; sharded as the cache)."""

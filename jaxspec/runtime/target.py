@@ -26,6 +26,7 @@ from jaxspec.models.quant import Int4Array
 from jaxspec.models.tree_attention import compact_path
 from sharding.collectives import sharded_argmax, sharded_top_k
 from sharding.mesh import DATA, single_device_mesh
+from sharding.multihost import put_global, zeros
 from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
 
 # Above this many query tokens a call attends in the expanded (prefill) form, at or below it in the absorbed form.
@@ -138,7 +139,7 @@ class Target:
                 arr = Int4Array(np.asarray(value.packed, np.uint8), scale, expect.group_size)
             else:
                 arr = np.asarray(value).astype(expect.dtype)
-            return path, var.replace(jax.device_put(arr, shardings[path]))
+            return path, var.replace(put_global(arr, shardings[path]))  # only this process's shards
 
         params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
         return cls(cfg, mesh, graphdef, params, rules)
@@ -291,7 +292,7 @@ class Target:
         """Zeroed latent cache [L, B, S, kv_lora_rank + qk_rope_head_dim] in the model dtype."""
         cfg = self.config
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim)
-        return jax.device_put(jnp.zeros(shape, self.dtype), NamedSharding(self.mesh, self.cache_spec()))
+        return zeros(shape, self.dtype, NamedSharding(self.mesh, self.cache_spec()))
 
     def forward(self, token_ids, positions, cache, *, capture: Sequence[int] = (), impl: AttnImpl | None = None):
         """One cached step: write T tokens at `positions` [B, T] (contiguous per sequence) and return

@@ -21,6 +21,7 @@ from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.state import LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, RowResult, Segment, StepPlan, StepResult
+from sharding.multihost import to_host
 
 
 class Executor:
@@ -99,13 +100,13 @@ class Executor:
     def counters(self) -> Counters:
         """The loop's running totals (cycles, per-depth reached / accepted, the accepted-length histogram)."""
         s = self.state
-        reached, accepted, hist = (tuple(np.asarray(x).tolist()) for x in (s.reached_J, s.accepted_J, s.accept_hist_T))
-        return Counters(int(s.cycles), reached, accepted, hist)
+        cycles, *counts = to_host((s.cycles, s.reached_J, s.accepted_J, s.accept_hist_T))
+        return Counters(int(cycles), *(tuple(c.tolist()) for c in counts))
 
     def _read(self, plan: StepPlan) -> tuple[RowResult, ...]:
         if not plan.read:
             return ()
-        tokens_BS, end_B, done_B = (np.asarray(x) for x in (self.state.tokens_BS, self.state.end_B, self.state.done_B))
+        tokens_BS, end_B, done_B = to_host((self.state.tokens_BS, self.state.end_B, self.state.done_B))
         return tuple(
             RowResult(r.row, tuple(tokens_BS[r.row, r.start : end_B[r.row]].tolist()), bool(done_B[r.row]))
             for r in plan.read
