@@ -178,6 +178,7 @@ class Engine:
         self._observe(self.scheduler.abandon("cancelled"))
         if self.channel is not None:
             self.channel.publish(fanout.STOP)
+            self.channel.close()
             self.channel = None
 
     # ------------------------------------------------------------------ the step

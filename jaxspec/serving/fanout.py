@@ -8,8 +8,9 @@ jax-llm-examples' serving loop does): no extra port, no fixed-size payload. The 
 key (an idle server spins nothing) and run what they get on their executor.
 
 Messages are a serialised `StepPlan`, `RESET` (a step failed on process 0: every executor starts clean) or `STOP`
-(process 0 is shutting down: the followers return). A follower that loses process 0 (the coordination service lives
-there) gets an error from the store within its RPC timeout and exits with a message naming process 0.
+(process 0 is shutting down: every process leaves the run together, then the followers return). A follower that
+loses process 0 (the coordination service lives there) gets an error from the store and exits with a message naming
+process 0.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ class PlanChannel:
         self.received += 1
         return message
 
+    def close(self) -> None:
+        """Leave the run: every process calls this after STOP (JAX's shutdown waits for all of them, so process 0's
+        coordination service outlives every follower's last call to it)."""
+        import jax
+
+        jax.distributed.shutdown()
+
 
 class LostLeader(RuntimeError):
     """Process 0 is gone: a follower cannot go on (its next collective would never complete)."""
@@ -75,6 +83,7 @@ def follow(executor, channel: PlanChannel) -> int:
         message = channel.receive()
         if message == STOP:
             log.info("process 0 stopped: %d plans run in %.1fs", runs, time.perf_counter() - start)
+            channel.close()
             return runs
         if message == RESET:
             executor.reset()
