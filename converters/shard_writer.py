@@ -17,7 +17,6 @@ Restore is Orbax's own: the files are the ones TensorStore writes (a test compar
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import mmap
 import os
@@ -31,7 +30,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-ALIGN = 4096  # O_DIRECT needs the buffer, the file offset and the length aligned to the logical block size
+from jaxspec.io.direct import ALIGN, open_direct, refused
+
 MAX_WRITE = 1 << 30  # Linux writes at most ~2 GiB per call
 
 
@@ -107,21 +107,16 @@ def write_shard(path: Path, value: np.ndarray) -> None:
     footer = index + struct.pack("<I", crc32c(index))
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if np.asarray(value).ctypes.data % ALIGN == 0 and hasattr(os, "O_DIRECT"):
+    fd = open_direct(path, flags) if np.asarray(value).ctypes.data % ALIGN == 0 else None
+    if fd is not None:
         try:
-            fd = os.open(path, flags | os.O_DIRECT)
-        except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
-            if e.errno != errno.EINVAL:
+            _write_direct(fd, data, footer)
+            return
+        except OSError as e:  # a file system that opens with O_DIRECT but wants other alignment
+            if not refused(e):
                 raise
-        else:
-            try:
-                _write_direct(fd, data, footer)
-                return
-            except OSError as e:  # a file system that opens with O_DIRECT but wants other alignment
-                if e.errno != errno.EINVAL:
-                    raise
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
     fd = os.open(path, flags)  # (truncates what a refused O_DIRECT write may have left)
     try:
         _write_all(fd, data)

@@ -36,7 +36,6 @@ from jaxspec.config import KimiConfig
 from jaxspec.io import Target
 from jaxspec.io.fp8 import DTYPES, SCALE_SUFFIX, dequantized_config, fp8_block, open_checkpoint
 from jaxspec.io.hf import (
-    EXPERT_PROJS,
     CheckpointError,
     Reader,
     expected_tensors,
@@ -59,6 +58,7 @@ from jaxspec.io.orbax import (
     layer_group,
     stack_of,
 )
+from jaxspec.models.moe import EXPERT_PROJS
 from jaxspec.pytree import flatten, set_path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")

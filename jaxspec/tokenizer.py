@@ -262,7 +262,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"tokenizer path {d} is not a directory")
-    tok_config = _read_json(d / "tokenizer_config.json")
+    tok_path = d / "tokenizer_config.json"
+    tok_config = read_json_object(tok_path) if tok_path.is_file() else None
     extra_eos = _config_eos_ids(d)
     if (d / "tiktoken.model").is_file():
         if tok_config is None:
@@ -360,15 +361,15 @@ def _split_for_encode(text: str) -> Iterator[str]:
         yield chunk[begin:]
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
+def read_json_object(path: Path, error: type[ValueError] = ValueError) -> dict[str, Any]:
+    """The JSON object in `path`; `error` (a ValueError) names the file when it cannot be read, is not JSON, or
+    holds something other than an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON: {e}") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{path}: cannot be read as JSON ({e})") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -397,7 +398,7 @@ def _config_eos_ids(d: Path) -> list[int]:
     """eos_token_id (int or list) from generation_config.json and config.json (top level or text_config)."""
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
-        config = _read_json(d / name) or {}
+        config = read_json_object(d / name) if (d / name).is_file() else {}
         for section in (config, config.get("text_config") or {}):
             value = section.get("eos_token_id")
             ids.extend(value if isinstance(value, list) else [value] if isinstance(value, int) else [])

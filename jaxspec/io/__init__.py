@@ -1,6 +1,7 @@
 """Checkpoint I/O: every file the target and the drafter are read from or written to.
 
 hf.py                  HF safetensors reading and the target's name table (both directions)
+direct.py              O_DIRECT reads and writes, with the buffered fallback
 fp8.py                 FP8 block-quantised checkpoints, read dequantised; one-read safetensors access
 compressed_tensors.py  the compressed-tensors INT4 "pack-quantized" codec
 export.py              writing a target as an HF DeepseekV3 checkpoint (INT4 experts)

@@ -23,8 +23,9 @@ from safetensors.numpy import save_file
 
 from jaxspec.config import KimiConfig
 from jaxspec.io.compressed_tensors import pack_int4
-from jaxspec.io.hf import EXPERT_PROJS, Tensor, expert_name, layer_table, top_table
+from jaxspec.io.hf import Tensor, expert_name, layer_table, top_table
 from jaxspec.models import quant
+from jaxspec.models.moe import EXPERT_PROJS
 from jaxspec.pytree import get_path, unflatten
 
 # Only routed experts are quantized, as in the published Kimi-K2 / K2.5 INT4 checkpoints.

@@ -16,7 +16,6 @@ from its config.json; `load_target` and `jaxspec-convert` both use it.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import mmap
@@ -31,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.config import ConfigError
+from jaxspec.io.direct import ALIGN, open_direct, refused
 from jaxspec.io.hf import CheckpointError, SafetensorsDir
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -256,7 +256,6 @@ class Fp8DequantizedDir(RawSafetensorsDir):
         return weight_dequant(w, scale, self.block, self.out_dtype)
 
 
-DIRECT_ALIGN = 4096  # O_DIRECT: buffer, file offset and length aligned to the logical block size (4 KiB covers all)
 STAGING_BYTES = 16 << 20
 READ_STREAMS = 4  # concurrent reads per batch: one synchronous O_DIRECT stream left the disk idle between windows
 
@@ -264,12 +263,7 @@ READ_STREAMS = 4  # concurrent reads per batch: one synchronous O_DIRECT stream 
 def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]], stage: mmap.mmap) -> bool:
     """Fill each (lo, hi, out, name) span of `path` (sorted by lo) from O_DIRECT reads of aligned windows the size of
     `stage` (page-aligned); False, having read nothing, where the file system refuses O_DIRECT (tmpfs)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") else None
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        fd = None
+    fd = open_direct(path, os.O_RDONLY)
     if fd is None:
         return False
     stage_u8 = np.frombuffer(stage, np.uint8)
@@ -277,11 +271,11 @@ def _read_direct(path: Path, spans: list[tuple[int, int, np.ndarray, str]], stag
         i, done = 0, 0  # the span being filled, and its bytes filled so far
         while i < len(spans):
             lo, hi, out, name = spans[i]
-            pos = (lo + done) // DIRECT_ALIGN * DIRECT_ALIGN
+            pos = (lo + done) // ALIGN * ALIGN
             try:
                 n = os.preadv(fd, [stage], pos)
             except OSError as e:  # opened with O_DIRECT but wants another alignment: nothing copied yet, fall back
-                if e.errno != errno.EINVAL or (i, done) != (0, 0):
+                if not refused(e) or (i, done) != (0, 0):
                     raise
                 return False
             end = pos + n

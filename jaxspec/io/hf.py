@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from jaxspec.config import KimiConfig
 from jaxspec.io.compressed_tensors import unpack_int4
+from jaxspec.models.moe import EXPERT_PROJS
 from jaxspec.models.quant import Int4Array
 from jaxspec.pytree import flatten, get_path, set_path
 
@@ -245,9 +246,6 @@ def layer_table(cfg: KimiConfig, moe: bool) -> list[Tensor]:
         _vector(("mlp", "router_bias"), "mlp.gate.e_score_correction_bias", (E,), fp32=True),
         *_mlp_table("mlp.shared_experts", D, F * cfg.n_shared_experts, ("mlp", "shared")),
     ]
-
-
-EXPERT_PROJS = ("gate", "up", "down")
 
 
 def expert_name(layer: int, e: int, proj: str) -> str:

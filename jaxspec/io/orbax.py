@@ -31,13 +31,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.config import KimiConfig
 from jaxspec.io.hf import CheckpointError
+from jaxspec.models.moe import ROUTED_PATHS
 from jaxspec.models.quant import Int4Array
 from jaxspec.pytree import get_path, unflatten
 
 FORMAT = "jaxspec-orbax"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
-EXPERTS = (("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))  # paths of the routed experts within a MoE layer
 PLAN = "jaxspec_convert.json"
 MARKER = "jaxspec_checkpoint.json"
 STACKS = ("dense_layers", "moe_layers")
@@ -127,7 +127,8 @@ def restore_params(path: str | Path, cfg: KimiConfig, abstract: Any) -> Any:
         leaves = {p[1:]: v for p, v in flat if p[0] == stack}
         if leaves:
             routed = as_stored and stack == "moe_layers"  # a dense layer's ("mlp", "gate") is its own MLP
-            swapped = frozenset(p for p in EXPERTS if routed and p in leaves and not isinstance(leaves[p], Int4Array))
+            floats = [p for p in ROUTED_PATHS if p in leaves and not isinstance(leaves[p], Int4Array)]
+            swapped = frozenset(floats if routed else ())
             restored = _restore_stack(ck, path, cfg, stack, leaves, swapped)
             values.update({(stack, *p): v for p, v in restored.items()})
     return nnx.from_flat_state([(p, var.replace(values[p])) for p, var in nnx.to_flat_state(abstract)])

@@ -57,9 +57,14 @@ class LayerSlice:
         return self.stack.shape[1:]
 
 
+# The routed experts' projections, and their paths within a MoE decoder layer (`MoE`'s gate/up/down under "mlp").
+EXPERT_PROJS = ("gate", "up", "down")
+ROUTED_PATHS = tuple(("mlp", proj) for proj in EXPERT_PROJS)
+
+
 def is_routed_weight(path: tuple, _value=None) -> bool:
     """nnx filter: the routed-expert weights of a MoE stack (kept whole by the layer scan, see LayerSlice)."""
-    return len(path) >= 2 and path[-2] == "mlp" and path[-1] in ("gate", "up", "down")
+    return tuple(path[-2:]) in ROUTED_PATHS
 
 
 class MoE(nnx.Module):

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxspec.tokenizer import read_json_object
+
 FORMAT = "jaxspec-drafter-data"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -125,7 +127,7 @@ def _open_dataset(out: Path, plan: dict[str, Any]) -> bool:
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST
     if manifest_path.is_file():
-        old = _read_json(manifest_path)
+        old = read_json_object(manifest_path, DatasetError)
         diff = [k for k in PLAN_FIELDS if old.get(k) != plan[k]]
         if diff:
             raise DatasetError(
@@ -231,16 +233,6 @@ def dataset_stats(root: str | Path, num_shards: int) -> dict[str, int]:
     return {"num_sequences": seqs, "num_tokens": tokens, "num_response_tokens": response}
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DatasetError(f"{path}: cannot be read as JSON ({e})") from e
-    if not isinstance(obj, dict):
-        raise DatasetError(f"{path}: expected a JSON object")
-    return obj
-
-
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """A loaded dataset: ids int32 [B, T], loss_mask bool [B, T] (B = all its sequences), and the manifest."""
@@ -264,7 +256,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
         raise DatasetError(f"dataset directory {root} does not exist")
     if not (root / MANIFEST).is_file():
         raise DatasetError(f"{root}: no {MANIFEST}; not a drafter dataset (make one with generate_dataset)")
-    manifest = _read_json(root / MANIFEST)
+    manifest = read_json_object(root / MANIFEST, DatasetError)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise DatasetError(
             f"{root / MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r} "
