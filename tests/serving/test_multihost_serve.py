@@ -84,5 +84,6 @@ def test_two_processes_serve_the_single_process_text_and_sigterm_ends_both(serve
             code = p.wait(timeout=120)
         except subprocess.TimeoutExpired:
             pytest.fail(f"process {i} still running 120 s after SIGTERM to process 0:\n{_tail(logs, i)}")
-        assert code == 0, f"process {i} exited {code}:\n{_tail(logs, i)}"
+        # uvicorn re-raises SIGTERM after its graceful shutdown (as tests/serving/test_server.py accepts).
+        assert code in ((0, -signal.SIGTERM) if i == 0 else (0,)), f"process {i} exited {code}:\n{_tail(logs, i)}"
     assert "running process 0's plans" in (logs / "process1.log").read_text()
