@@ -76,9 +76,10 @@ def test_generate_num_steps_auto_takes_a_recommended_tree(tmp_path, capsys):
 
 
 def test_serve_tree_flags_reach_the_engine_config_and_are_checked_before_loading():
-    with pytest.raises(SystemExit, match="topk=2 drafts a tree: it needs num_steps >= 1"):
+    # DraftShape's messages, in flag names (cli/args.draft_shape)
+    with pytest.raises(SystemExit, match="--topk=2 drafts a tree: it needs --num-steps >= 1"):
         main(["serve", "--num-steps", "0", "--topk", "2"])
-    with pytest.raises(SystemExit, match="num_draft_tokens: expected 2..7"):
+    with pytest.raises(SystemExit, match=r"--num-draft-tokens: expected an integer in \[2, 7\]"):
         main(["serve", "--num-steps", "2", "--topk", "2", "--num-draft-tokens", "9"])
 
 
