@@ -109,3 +109,18 @@ def test_loop_config_takes_one_draft_shape():
     assert LoopConfig(DraftShape(3), None, (), 16, 16).num_draft_tokens == 4  # a chain verifies k + 1
     with pytest.raises(ValueError, match="LoopConfig.draft: expected a DraftShape"):
         LoopConfig(3, None, (), 16, 16)
+
+
+def test_generate_takes_the_draft_shape_as_one_value(target, drafter):
+    from jaxspec.decoding.generate import generate
+
+    kwargs = dict(prompts=[[1, 2, 3]], max_new_tokens=6)
+    by_keywords = generate(target, drafter, num_steps=2, **kwargs)
+    by_shape = generate(target, drafter, draft=DraftShape(2), **kwargs)
+    assert by_shape.tokens == by_keywords.tokens and by_shape.stats["compiles"] == 0  # the same program
+    assert by_shape.stats["draft"] == "k=2" and generate(target, drafter, draft=2, **kwargs).tokens == by_shape.tokens
+    for bad in ("3", True, 2.0):
+        with pytest.raises(ValueError, match="draft: expected a DraftShape or a chain's depth"):
+            generate(target, drafter, draft=bad, **kwargs)
+    with pytest.raises(ValueError, match="num_steps=2 needs a drafter"):
+        generate(target, None, draft=DraftShape(2), **kwargs)
