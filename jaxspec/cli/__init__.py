@@ -9,17 +9,21 @@
                       collectives and per-device memory
 
 Each command module has HELP, DESCRIPTION, add_arguments(parser) and run(args), and, where arguments can be checked
-before anything loads, check(args). Process-wide settings (simulated CPU devices, collective presets) must be made
-before JAX starts its backend, so they are global options handled before anything touches a device.
+before anything loads, check(args). Process-wide settings (simulated CPU devices, collective presets, joining a run of
+several processes) must be made before JAX starts its backend, so they are global options handled before anything
+touches a device. In a run of several processes every process runs the command; only process 0 prints and writes
+files (the others' standard output is discarded; errors still show on each).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from jaxspec.cli import generate, inspect, predict, serve, train_drafter, tune
-from jaxspec.cli.args import UsageError
+from jaxspec.cli.args import UsageError, add_distributed_args, check_distributed_args, join_distributed
 
 # Subcommand name -> module, in the order `jaxspec --help` lists them.
 COMMANDS = {
@@ -50,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="XLA collective preset applied before JAX starts: default, gpu-latency, gpu-throughput, "
         "tpu-async, cpu-sim (see sharding/collectives.py)",
     )
+    add_distributed_args(p)
     sub = p.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION))
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             args.command, f"--collective-preset: unknown collective preset {args.collective_preset!r} (valid: {valid})"
         )
     command = COMMANDS[args.command]
+    check_distributed_args(args)
     if hasattr(command, "check"):
         command.check(args)  # everything checkable without loading a model, before anything loads
     applied = apply_preset(args.collective_preset)
@@ -76,12 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
         simulate_cpu_devices(args.cpu_devices)
     args.preset_record = describe(applied["preset"])
-    if args.command not in INPUT_ERRORS_AS_USAGE:
-        return command.run(args)
-    try:
-        return command.run(args)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:  # bad input files: one line, not a traceback
-        raise UsageError(args.command, str(e)) from None
+    leader = join_distributed(args)
+    with contextlib.ExitStack() as quiet:
+        if not leader:  # every process computes; process 0 alone prints
+            quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+        if args.command not in INPUT_ERRORS_AS_USAGE:
+            return command.run(args)
+        try:
+            return command.run(args)
+        except (ConfigError, CheckpointError, FileNotFoundError) as e:  # bad input files: one line, not a traceback
+            raise UsageError(args.command, str(e)) from None
 
 
 if __name__ == "__main__":
