@@ -8,6 +8,7 @@ both), and two pairs that run an all-reduce until one of their processes is kill
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -125,3 +126,44 @@ def test_kill_9_ends_the_other_process_within_2_minutes(runs, victim):
     assert r["seconds"] < LOST_WITHIN_S, f"the survivor took {r['seconds']:.0f} s to end"
     if victim == 1:  # the coordination service (in process 0) names the task that stopped answering
         assert "unhealthy" in r["log"] and "\n1\n" in r["log"], r["log"][-2000:]
+
+
+def test_one_process_helpers_are_device_put_and_asarray():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sharding.mesh import make_mesh
+    from sharding.multihost import is_leader, put_global, to_host, zeros
+
+    mesh = make_mesh("2x4")
+    host = {"x": np.arange(32, dtype=np.float32).reshape(8, 4), "key": jax.random.key(3)}
+    placed = put_global(host, NamedSharding(mesh, P()))
+    np.testing.assert_array_equal(to_host(placed["x"]), host["x"])
+    assert jax.random.key_data(placed["key"]).tolist() == jax.random.key_data(host["key"]).tolist()
+    split = put_global(host["x"], NamedSharding(mesh, P("data", "model")))
+    assert split.sharding.spec == P("data", "model") and split.addressable_shards[0].data.shape == (4, 1)
+    np.testing.assert_array_equal(to_host(split), host["x"])
+    z = zeros((4, 8), jnp.bfloat16, NamedSharding(mesh, P(None, "model")))
+    assert z.dtype == jnp.bfloat16 and z.sharding.spec == P(None, "model") and not to_host(z).any()
+    assert is_leader()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--coordinator", "h:1", "generate"], "give --coordinator, --num-processes and --process-id together"),
+        (["--coordinator", "h", "--num-processes", "2", "--process-id", "0", "generate"], "expected HOST:PORT"),
+        (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2", "predict"], "expected 0..1"),
+        (["--distributed", "--process-id", "0", "generate"], "--distributed reads the cluster from the environment"),
+        (["--distributed", "serve"], "runs as one process only"),
+        (["--distributed", "tune", "--presets", "default", "--output", "x"], "--presets re-runs tune"),
+    ],
+)
+def test_bad_distributed_flags_are_one_usage_line(argv, message):
+    from jaxspec.cli import main
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(argv)
