@@ -14,7 +14,12 @@ import time
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxspec-convert", description="Checkpoint conversion for jaxspec.")
+    p = argparse.ArgumentParser(
+        prog="jaxspec-convert",
+        description="Checkpoint conversion for jaxspec. Runs as one process (no --coordinator/--distributed): convert "
+        "once, onto storage every host reads; a multi-process run then restores the output, each process reading only "
+        "its devices' slices.",
+    )
     p.add_argument("--cpu-devices", type=int, default=0, metavar="N", help="simulate N CPU devices (for --mesh)")
     sub = p.add_subparsers(dest="command", required=True)
 

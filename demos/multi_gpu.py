@@ -19,8 +19,10 @@ Steps, each printed as it runs:
      the cost model, write DST/tune/tune.json and tune.png, and take the recommendation (`jaxspec tune`);
   6. generate with it and print the text and acceptance statistics.
 
-The same program runs on 8 GPUs, a TPU slice with 8 devices, or 8 simulated CPU devices. Several hosts need
-`sharding.mesh.init_distributed()` before step 2; that path is untested.
+The same program runs on 8 GPUs, a TPU slice with 8 devices, or 8 simulated CPU devices. Several hosts (a TPU v5p-16,
+GPU nodes) run it once per host with jaxspec's global flags (`--coordinator HOST:PORT --num-processes N --process-id I`,
+or `--distributed` to read the cluster from the environment); see docs/multi-host.md. Process 0 prints and writes;
+convert with `jaxspec-convert target` first (one process), since step 3 then only checks DST.
 """
 
 from __future__ import annotations
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trees", help="also tune draft trees: STEPS:TOPK:TOKENS,... or 'default' (see jaxspec tune)")
     gen.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 128; 32 with --dry-run)")
     gen.add_argument("--cache-len", type=int, default=4096, help="--dry-run abstract: cache length (%(default)s)")
+    from jaxspec.cli.args import add_distributed_args
+
+    add_distributed_args(p.add_argument_group("several processes (one per host)"))
     return p
 
 
@@ -137,7 +142,12 @@ def setup_devices(args) -> tuple[str, dict]:
     if platform == "cpu":
         from sharding.cpu import simulate_cpu_devices
 
-        simulate_cpu_devices(data * model)
+        simulate_cpu_devices(data * model // (args.num_processes or 1))  # each process holds its share
+    from jaxspec.cli.args import join_distributed
+
+    args.leader = join_distributed(args)
+    if not args.leader:  # every process computes; process 0 alone prints
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the run)
     import jax
 
     print(f"platform {platform}: {jax.device_count()} device(s) ({jax.devices()[0].device_kind})")
@@ -179,6 +189,12 @@ def convert(src: Path, dst: Path, dtype: str, verify: bool) -> None:
     if (dst / MARKER).is_file():
         print(f"{dst} holds a complete conversion ({MARKER}); reusing it")
         return
+    import jax
+
+    if jax.process_count() > 1:
+        raise SystemExit(
+            f"multi_gpu: {dst} holds no complete conversion: run `jaxspec-convert target` first (one process)"
+        )
     start = time.perf_counter()
     r = convert_target(src, dst, dtype=dtype, verify=verify)
     print(
@@ -222,7 +238,7 @@ def choose_k(args, target, drafter, prompts: list[list[int]], out: Path, preset:
         prompts,
         [*range(0, args.max_k + 1), *trees],
         max_new_tokens=args.max_new_tokens,
-        output_dir=out,
+        output_dir=out if args.leader else None,  # every process measures; process 0 writes
         collective_preset=preset,
         repeats=1 if args.dry_run else 3,
     )
@@ -283,6 +299,9 @@ def run_abstract(args, preset: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from jaxspec.cli.args import check_distributed_args
+
+    check_distributed_args(args, lambda message: sys.exit(f"multi_gpu: {message}"))
     if args.dry_run is None and not (args.src and args.dst and args.drafter and (args.prompt or args.tune_prompts)):
         raise SystemExit("multi_gpu: give --src, --dst, --drafter and --prompt (or --dry-run to rehearse)")
     args.max_k = args.max_k if args.max_k is not None else (2 if args.dry_run else 6)

@@ -2,8 +2,8 @@
 
 With one process every sharding is addressable and these are `jax.device_put` and `np.asarray`. With several
 (after `sharding.mesh.init_distributed`) a mesh spans devices this process cannot touch: `put_global` builds the
-array from the shards this process holds, and `to_host` gathers a result onto every host. Both are collective in
-the multi-process case, so every process must call them in the same order with the same shapes.
+array from the slices this process's devices hold (no communication), and `to_host` gathers a result onto every
+host: for an array that is not replicated that is a collective, so every process must call it in the same order.
 """
 
 from __future__ import annotations

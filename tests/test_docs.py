@@ -65,6 +65,7 @@ def command_lines() -> list[tuple[str, str, list[str]]]:
             if lang != "bash":
                 continue
             for line in body.replace("\\\n", " ").splitlines():
+                line = line.rstrip().removesuffix("&")  # a process started in the background
                 words = shlex.split(line, comments=True) if line.startswith(("jaxspec", "python ")) else []
                 if words[:1] in (["jaxspec"], ["jaxspec-convert"]):
                     found.append((page, words[0], words[1:]))

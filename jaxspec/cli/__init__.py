@@ -9,23 +9,21 @@
                       collectives and per-device memory
 
 Each command module has HELP, DESCRIPTION, add_arguments(parser) and run(args), and, where arguments can be checked
-before anything loads, check(args). Process-wide settings (simulated CPU devices, collective presets) must be made
-before JAX starts its backend, so they are global options handled before anything touches a device.
-
-Several processes (a TPU slice of several hosts, GPUs over several nodes): every process runs the same command with
-`--coordinator HOST:PORT --num-processes N --process-id I` (or `--distributed`, where JAX finds the cluster itself:
-TPU pod slices, SLURM, Open MPI) before the command; the mesh then spans every process's devices. Only process 0
-prints and writes files (docs/multi-host.md).
+before anything loads, check(args). Process-wide settings (simulated CPU devices, collective presets, joining a run of
+several processes) must be made before JAX starts its backend, so they are global options handled before anything
+touches a device. In a run of several processes every process runs the command; only process 0 prints and writes
+files (the others' standard output is discarded; errors still show on each).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from jaxspec.cli import generate, inspect, predict, serve, train_drafter, tune
-from jaxspec.cli.args import UsageError
+from jaxspec.cli.args import UsageError, add_distributed_args, check_distributed_args, join_distributed
 
 # Subcommand name -> module, in the order `jaxspec --help` lists them.
 COMMANDS = {
@@ -56,15 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="XLA collective preset applied before JAX starts: default, gpu-latency, gpu-throughput, "
         "tpu-async, cpu-sim (see sharding/collectives.py)",
     )
-    group = p.add_argument_group("several processes (one program over several hosts; docs/multi-host.md)")
-    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process")
-    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run (with --coordinator)")
-    group.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (with --coordinator)")
-    group.add_argument(
-        "--distributed",
-        action="store_true",
-        help="join a multi-process run JAX detects itself (TPU pod slices, SLURM, Open MPI)",
-    )
+    add_distributed_args(p)
     sub = p.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION))
@@ -83,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             args.command, f"--collective-preset: unknown collective preset {args.collective_preset!r} (valid: {valid})"
         )
     command = COMMANDS[args.command]
+    check_distributed_args(args)
     if hasattr(command, "check"):
         command.check(args)  # everything checkable without loading a model, before anything loads
     applied = apply_preset(args.collective_preset)
@@ -91,36 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
         simulate_cpu_devices(args.cpu_devices)
     args.preset_record = describe(applied["preset"])
-    _join_processes(args)
-    if args.command not in INPUT_ERRORS_AS_USAGE:
-        return command.run(args)
-    try:
-        return command.run(args)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:  # bad input files: one line, not a traceback
-        raise UsageError(args.command, str(e)) from None
-
-
-def _join_processes(args: argparse.Namespace) -> None:
-    """--coordinator / --num-processes / --process-id, or --distributed: join the run before any device is touched;
-    processes other than 0 then print nothing (their output would repeat process 0's)."""
-    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes, "--process-id": args.process_id}
-    named = [flag for flag, value in given.items() if value is not None]
-    if not named and not args.distributed:
-        return
-    if args.distributed and named:
-        raise UsageError(args.command, f"--distributed detects the cluster itself: drop {', '.join(named)}")
-    if named and len(named) < 3:
-        missing = ", ".join(flag for flag in given if flag not in named)
-        raise UsageError(args.command, f"{', '.join(named)} needs {missing} too (or --distributed alone)")
-    if named and not 0 <= args.process_id < args.num_processes:
-        raise UsageError(args.command, f"--process-id: expected 0..{args.num_processes - 1}, got {args.process_id}")
-    import jax
-
-    from sharding.mesh import init_distributed
-
-    init_distributed(args.coordinator, args.num_processes, args.process_id)
-    if jax.process_index() != 0:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the rest of the process: process 0 prints)
+    leader = join_distributed(args)
+    with contextlib.ExitStack() as quiet:
+        if not leader:  # every process computes; process 0 alone prints
+            quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+        if args.command not in INPUT_ERRORS_AS_USAGE:
+            return command.run(args)
+        try:
+            return command.run(args)
+        except (ConfigError, CheckpointError, FileNotFoundError) as e:  # bad input files: one line, not a traceback
+            raise UsageError(args.command, str(e)) from None
 
 
 if __name__ == "__main__":

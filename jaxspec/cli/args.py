@@ -89,6 +89,69 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# Commands that refuse --coordinator/--distributed, and why.
+SINGLE_PROCESS = {
+    "train-drafter": "the trainer places its batches on local devices",
+}
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """The global flags that join a run of several processes (one per host; every process runs the same command)."""
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="join a multi-process run whose process 0 listens at HOST:PORT (give --num-processes and --process-id)",
+    )
+    p.add_argument("--num-processes", type=int, metavar="N", help="processes in the run (with --coordinator)")
+    p.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1 (with --coordinator)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process run described by the environment (TPU pod slices, SLURM, Open MPI)",
+    )
+
+
+def check_distributed_args(args: argparse.Namespace, fail: Callable[[str], NoReturn] | None = None) -> None:
+    """The flags of `add_distributed_args`, checked before anything starts (`fail`: default a UsageError of
+    `args.command`)."""
+
+    def usage(message: str) -> NoReturn:
+        raise UsageError(args.command, message)
+
+    fail = fail or usage
+    given = [name for name in ("coordinator", "num_processes", "process_id") if getattr(args, name) is not None]
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    if args.distributed and given:
+        fail(f"--distributed reads the cluster from the environment: drop {flags}")
+    if given and len(given) < 3:
+        fail(f"{flags}: give --coordinator, --num-processes and --process-id together")
+    command = getattr(args, "command", None)
+    if (given or args.distributed) and command in SINGLE_PROCESS:
+        fail(f"runs as one process only ({SINGLE_PROCESS[command]})")
+    if (given or args.distributed) and command == "tune" and args.presets:
+        fail("--presets re-runs tune in child processes: sweep presets as one process")
+    if given:
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            fail(f"--coordinator: expected HOST:PORT, got {args.coordinator!r}")
+        if args.num_processes < 1:
+            fail(f"--num-processes: expected an integer >= 1, got {args.num_processes}")
+        if not 0 <= args.process_id < args.num_processes:
+            fail(f"--process-id: expected 0..{args.num_processes - 1}, got {args.process_id}")
+
+
+def join_distributed(args: argparse.Namespace) -> bool:
+    """Join the run the flags describe (before anything touches a device); True when this process prints and writes
+    (process 0, or the only one)."""
+    if not (args.distributed or args.coordinator):
+        return True
+    from sharding.mesh import init_distributed
+    from sharding.multihost import is_leader
+
+    init_distributed(args.coordinator, args.num_processes, args.process_id)
+    return is_leader()
+
+
 # ----------------------------------------------------------------------------------------------- checks
 def int_list(text: str, flag: str, fail: Callable[[str], NoReturn]) -> list[int]:
     """Comma-separated non-negative token ids, or `fail` with a message naming `flag`."""

@@ -41,6 +41,7 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sharding import inspect
+    from sharding.multihost import is_leader
 
     target, source = build_target(args, abstract=True)
     start = time.perf_counter()
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"parameters per device: {params / 1e9:.2f} GB (4-bit experts counted as 4 bits)")
     print(inspect.format_report(census, memory))
-    if args.json:
+    if args.json and is_leader():  # in a run of several processes, process 0 writes
         report = {
             "source": source,
             "mesh": dict(target.mesh.shape),

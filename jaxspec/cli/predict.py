@@ -37,13 +37,15 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from sharding.multihost import to_host
+
     try:
         tokens = [int(t) for t in args.prompt.split(",")]
     except ValueError:
         raise SystemExit(f"jaxspec predict: --prompt expects comma-separated integers, got {args.prompt!r}") from None
     start = time.perf_counter()
     target, source = build_target(args, abstract=False)
-    logits = np.asarray(target.logits([tokens]).astype(jnp.float32))[0]
+    logits = to_host(target.logits([tokens]).astype(jnp.float32))[0]  # gathered from every process
     elapsed = time.perf_counter() - start
     cfg = target.config
     print(

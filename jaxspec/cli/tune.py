@@ -156,6 +156,7 @@ def _print_presets(results: list[dict]) -> None:
 def run(args: argparse.Namespace) -> int:
     """`jaxspec tune`: build target + drafter from the arguments, sweep, print the table, write the outputs."""
     from jaxspec.profiling.tune import tune
+    from sharding.multihost import is_leader
 
     _check(args)
     if args.presets:
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         repeats=args.rounds,
         stream_cycles=args.stream_cycles,
-        output_dir=args.output,
+        output_dir=args.output if is_leader() else None,  # every process measures; process 0 writes
         collective_preset=getattr(args, "preset_record", None),
     )
     if args.output:

@@ -37,6 +37,7 @@ from jaxspec.decoding.spec_loop import (
     target_forward,
 )
 from jaxspec.runtime import Drafter, Target
+from sharding.multihost import put_global
 
 
 def median_seconds(fn: Callable[..., Any], state: tuple, *, warmup: int = 1, reps: int = 5) -> float:
@@ -74,11 +75,11 @@ class PhaseTimer:
         self.context = cache_len // 2 if context is None else context
         self.greedy = Sampling()
         self.rep = NamedSharding(target.mesh, PartitionSpec())
-        self.key = jax.device_put(jax.random.key(0), self.rep)
+        self.key = put_global(jax.random.key(0), self.rep)
         self._programs: dict[tuple, list] = {}  # phase key -> [compiled, fixed args, carry]
 
     def _put(self, x) -> jax.Array:
-        return jax.device_put(x, self.rep)
+        return put_global(x, self.rep)  # the mesh may span several processes
 
     def _ids(self, tokens: int) -> jax.Array:
         rng = np.random.default_rng(tokens)

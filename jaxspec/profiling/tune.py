@@ -259,7 +259,7 @@ def tune(
     report = _report(rows, model, _chain_counters(counters), settings) | setup
     if verbose:
         print(format_table(report))
-    if output_dir is not None and jax.process_index() == 0:  # every process measures; process 0 writes
+    if output_dir is not None:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "tune.json").write_text(json.dumps(report, indent=2) + "\n")
