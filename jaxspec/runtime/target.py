@@ -19,12 +19,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.config import KimiConfig
+from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
 from jaxspec.models.kimi import KimiModel
-from jaxspec.models.mla import KV_BLOCK, AttnImpl
+from jaxspec.models.mla import KV_BLOCK, PACKED, SCALE_BYTES, AttnImpl
 from jaxspec.models.quant import Int4Array
 from jaxspec.models.tree_attention import compact_path
 from sharding.collectives import sharded_argmax, sharded_top_k
+from sharding.inspect import per_device_param_bytes
 from sharding.mesh import DATA, single_device_mesh
 from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
 
@@ -48,6 +49,12 @@ class Target:
     graphdef: Any
     params: Any  # nnx.State of jax.Arrays (or ShapeDtypeStructs for an abstract target)
     rules: ShardingRules = DEFAULT_RULES
+    # "auto": the latent cache in the compute dtype; "fp8": float8_e4m3fn with a per-token scale (models/mla.py)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -74,6 +81,7 @@ class Target:
         int4_experts: bool | None = None,
         seed: int = 0,
         rules: ShardingRules = DEFAULT_RULES,
+        kv_cache_dtype: str = "auto",
     ) -> Target:
         """Randomly initialised weights, created directly in their shardings."""
         mesh = mesh or single_device_mesh()
@@ -84,7 +92,7 @@ class Target:
             KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rules=rules, rngs=nnx.Rngs(seed))
         )
         params = jax.jit(make, out_shardings=shardings)()
-        return cls(cfg, mesh, graphdef, params, rules)
+        return cls(cfg, mesh, graphdef, params, rules, kv_cache_dtype)
 
     @classmethod
     def abstract(
@@ -95,6 +103,7 @@ class Target:
         dtype=jnp.bfloat16,
         int4_experts: bool | None = None,
         rules: ShardingRules = DEFAULT_RULES,
+        kv_cache_dtype: str = "auto",
     ) -> Target:
         """Shapes, dtypes and shardings only: for lowering/compiling the real model without allocating it."""
         mesh = mesh or single_device_mesh()
@@ -108,7 +117,7 @@ class Target:
             )
 
         params = jax.tree.map(with_sharding, abstract, cls.param_specs(abstract, rules), is_leaf=_is_var)
-        return cls(cfg, mesh, graphdef, params, rules)
+        return cls(cfg, mesh, graphdef, params, rules, kv_cache_dtype)
 
     @classmethod
     def from_host(
@@ -119,6 +128,7 @@ class Target:
         mesh: Mesh | None = None,
         dtype=jnp.bfloat16,
         rules: ShardingRules = DEFAULT_RULES,
+        kv_cache_dtype: str = "auto",
     ) -> Target:
         """Place host weights ({param path: numpy array or Int4Array}, every parameter of the model) on `mesh`.
 
@@ -140,7 +150,7 @@ class Target:
             return path, var.replace(jax.device_put(arr, NamedSharding(mesh, spec)))
 
         params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
-        return cls(cfg, mesh, graphdef, params, rules)
+        return cls(cfg, mesh, graphdef, params, rules, kv_cache_dtype)
 
     def on_mesh(self, mesh: Mesh) -> Target:
         """The same weights placed on another mesh (e.g. 1 device -> 1x8)."""
@@ -158,6 +168,26 @@ class Target:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> Target:
+        """The same weights with another KV cache format ("auto" or "fp8")."""
+        return dataclasses.replace(self, kv_cache_dtype=kv_cache_dtype)
+
+    def cache_shape_dtype(self, batch: int, max_len: int) -> tuple[tuple[int, ...], jnp.dtype]:
+        """(shape, dtype) of the latent cache: [L, B, S, C+R] in the compute dtype, or with fp8 [L, B, S, C+R+4]
+        uint8 (e4m3 values, then each token's float32 scale; models/mla.py)."""
+        cfg = self.config
+        if self.kv_cache_dtype == "fp8":
+            return (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim + SCALE_BYTES), jnp.dtype(PACKED)
+        return (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim), self.dtype
+
+    def abstract_cache(self, batch: int, max_len: int) -> jax.ShapeDtypeStruct:
+        shape, dtype = self.cache_shape_dtype(batch, max_len)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, self.cache_spec()))
+
+    def cache_bytes_per_device(self, batch: int, max_len: int) -> int:
+        """Bytes one device holds of a cache for `batch` sequences of `max_len` positions (batch split over data)."""
+        return per_device_param_bytes(self.abstract_cache(batch, max_len))
 
     def cache_spec(self) -> P:
         """PartitionSpec of the latent cache [L, B, S, C+R]: batch over data, replicated over model."""
@@ -241,14 +271,10 @@ class Target:
         """AOT-compile one cached step (decode: tokens=1; verify: k+1; with `tree`, verify of a draft tree of
         `tokens` nodes under its ancestor mask) for abstract inputs; nothing is allocated beyond what `params` already
         holds. Used by `jaxspec inspect` and the full-size benchmark."""
-        cfg, mesh = self.config, self.mesh
+        mesh = self.mesh
         batch_sharding = NamedSharding(mesh, P(self.rules.batch, None))
         ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
-        cache = jax.ShapeDtypeStruct(
-            (cfg.num_hidden_layers, batch, cache_len, cfg.latent_dim),
-            self.dtype,
-            sharding=NamedSharding(mesh, self.cache_spec()),
-        )
+        cache = self.abstract_cache(batch, cache_len)
         if not tree:
             step = jax.jit(lambda p, t, q, c: self.apply(p, t, q, c, head=head), donate_argnums=3)
             return step.lower(self.params, ids, ids, cache).compile()
@@ -274,10 +300,10 @@ class Target:
         return tuple(captured[i] for i in range(len(layers)))
 
     def init_cache(self, batch: int, max_len: int) -> jax.Array:
-        """Zeroed latent cache [L, B, S, kv_lora_rank + qk_rope_head_dim] in the model dtype."""
-        cfg = self.config
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim)
-        return jax.device_put(jnp.zeros(shape, self.dtype), NamedSharding(self.mesh, self.cache_spec()))
+        """Zeroed latent cache [L, B, S, kv_lora_rank + qk_rope_head_dim] in the model dtype, or in the fp8
+        format with `kv_cache_dtype="fp8"` (see `cache_shape_dtype`)."""
+        shape, dtype = self.cache_shape_dtype(batch, max_len)
+        return jax.device_put(jnp.zeros(shape, dtype), NamedSharding(self.mesh, self.cache_spec()))
 
     def forward(self, token_ids, positions, cache, *, capture: Sequence[int] = (), impl: AttnImpl | None = None):
         """One cached step: write T tokens at `positions` [B, T] (contiguous per sequence) and return
