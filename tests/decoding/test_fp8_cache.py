@@ -61,7 +61,9 @@ def fp8(target):
     return target.with_kv_cache_dtype("fp8")
 
 
-@pytest.mark.parametrize("tree", [False, True])
+# The chain case runs with -m slow (tests/serving/test_engine_fp8.py covers chains through the engine); the tree case
+# also covers through_cache (the fresh nodes rounded as a chain verify reads them back).
+@pytest.mark.parametrize("tree", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_greedy_speculative_equals_plain_with_the_same_cache(fp8, tree):
     plain = generate(fp8, None, PROMPTS[3], max_new_tokens=NEW, num_steps=0).tokens
     shape = dict(num_steps=2, topk=2, num_draft_tokens=5) if tree else dict(num_steps=3)
