@@ -18,6 +18,9 @@ from typing import Any
 # HF builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps (1e-6), not the config's rms_norm_eps.
 # vLLM/SGLang use the config eps; we follow HF for parity (spec: kimi-k2.5.md, Reference math).
 LATENT_NORM_EPS = 1e-6
+# How the target's latent KV cache is stored: "auto" in the compute dtype, "fp8" as float8_e4m3fn with a float32
+# scale per token (jaxspec/models/mla.py, "FP8 cache").
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 MULTIMODAL_MODEL_TYPES = ("kimi_k25", "kimi_vl")

@@ -262,10 +262,10 @@ def execution_counts(module: HloModule) -> dict[str, tuple[int, bool]]:
         for instr in comp.instructions.values():
             if instr.opcode in ("async-done", "async-update"):
                 continue  # the async-start already accounts for the wrapped computation
-            trip = TRIP_COUNT.search(instr.attrs) if instr.opcode == "while" else None
+            trip = trip_count(module, comp, instr) if instr.opcode == "while" else None
             for role, callee in module.callees(instr):
                 if instr.opcode == "while":
-                    n = int(trip.group(1)) if trip else 1
+                    n = trip if trip is not None else 1
                     edges[comp.name].append((callee, n + 1 if role == "condition" else n, trip is not None))
                 elif instr.opcode == "conditional":
                     edges[comp.name].append((callee, 1, False))
@@ -291,6 +291,40 @@ def execution_counts(module: HloModule) -> dict[str, tuple[int, bool]]:
                 counts[callee] += counts[name] * factor
                 exact[callee] = exact[callee] and exact[name] and is_exact
     return {name: (counts.get(name, 0), exact[name]) for name in module.computations}
+
+
+def trip_count(module: HloModule, comp: HloComputation, instr: HloInstruction) -> int | None:
+    """A while loop's trip count: XLA's `known_trip_count` where recorded (CPU, GPU), else read off the loop as
+    TPU's HLO leaves it: a condition `counter < constant N` over a tuple element the loop starts at constant 0
+    (what `lax.scan` and a static `fori_loop` lower to). None when neither holds (a data-dependent bound)."""
+    known = TRIP_COUNT.search(instr.attrs)
+    if known:
+        return int(known.group(1))
+    cond = module.computations.get(dict(module.callees(instr)).get("condition", ""))
+    root = cond.instructions.get(cond.root or "") if cond is not None else None
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    counter, bound = (cond.instructions.get(name) for name in root.operands)
+    if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.opcode != "constant":
+        return None
+    start = _tuple_operand(comp, instr.operands[0] if instr.operands else "", counter.tuple_index)
+    if start is None or start.opcode != "constant" or start.operands != ["0"]:
+        return None
+    try:
+        return int(bound.operands[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def _tuple_operand(comp: HloComputation, name: str, index: int | None) -> HloInstruction | None:
+    """Element `index` of the tuple instruction `name` in `comp`, looking through copies."""
+    tup = comp.instructions.get(name)
+    if tup is None or tup.opcode != "tuple" or index is None or index >= len(tup.operands):
+        return None
+    element = comp.instructions.get(tup.operands[index])
+    while element is not None and element.opcode in ("copy", "bitcast") and element.operands:
+        element = comp.instructions.get(element.operands[0])
+    return element
 
 
 # ----------------------------------------------------------------------------------------------------------

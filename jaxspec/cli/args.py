@@ -63,6 +63,19 @@ def add_target_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None
     add_dtype_arg(p)
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype: how the target's latent KV cache is stored."""
+    from jaxspec.config import KV_CACHE_DTYPES
+
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="target KV cache: auto = the compute dtype, fp8 = float8_e4m3 with a per-token scale, half the bytes "
+        "(default: %(default)s)",
+    )
+
+
 def add_num_steps_args(p: argparse.ArgumentParser, *, default: str, auto_help: str) -> None:
     """--num-steps (an integer or 'auto') and --tune DIR (where 'auto' reads the recommended configuration)."""
     p.add_argument(
@@ -243,9 +256,11 @@ def use_bundled_pair(args: argparse.Namespace) -> bool:
     return True
 
 
-def build_target(args: argparse.Namespace, *, abstract: bool) -> tuple[Any, str]:
+def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = None) -> tuple[Any, str]:
     """(Target, where it came from) for the target flags: --model's checkpoint, or --preset (default tiny) with random
-    weights; `abstract`: shapes only (nothing allocated)."""
+    weights; `abstract`: shapes only (nothing allocated). `devices`: what the mesh (and --devices) draws from
+    (default: all of JAX's), e.g. a TPU slice's compile-only devices. --kv-cache-dtype, where the command has it,
+    sets the cache format."""
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target, load_target
@@ -254,17 +269,20 @@ def build_target(args: argparse.Namespace, *, abstract: bool) -> tuple[Any, str]
     if args.model and args.preset:
         raise UsageError(args.command, "give --model or --preset, not both")
     try:
-        devices = select_devices(args.devices) if getattr(args, "devices", None) else None
+        if getattr(args, "devices", None):
+            devices = select_devices(args.devices, devices)
         mesh = make_mesh(args.mesh, devices)
     except ValueError as e:
         raise UsageError(args.command, f"--mesh/--devices: {e}") from None
     dtype = jnp.dtype(args.dtype or "bfloat16")
+    kv = getattr(args, "kv_cache_dtype", "auto")
     if args.model:
         if abstract:
-            return Target.abstract(KimiConfig.from_pretrained(args.model), mesh=mesh, dtype=dtype), args.model
-        return load_target(args.model, mesh=mesh, dtype=dtype), args.model
+            cfg = KimiConfig.from_pretrained(args.model)
+            return Target.abstract(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model
+        return load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model
     name = args.preset or "tiny"
     cfg = KimiConfig.preset(name)
     if abstract:
-        return Target.abstract(cfg, mesh=mesh, dtype=dtype), f"preset {name!r}"
-    return Target.random(cfg, mesh=mesh, dtype=dtype), f"preset {name!r} (random weights)"
+        return Target.abstract(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), f"preset {name!r}"
+    return Target.random(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), f"preset {name!r} (random weights)"

@@ -10,6 +10,7 @@ from pathlib import Path
 from jaxspec.cli.args import (
     add_drafter_arg,
     add_dtype_arg,
+    add_kv_cache_dtype_arg,
     add_mesh_arg,
     add_model_arg,
     add_num_steps_args,
@@ -47,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_mesh_arg(p, "mesh shape 1xMODEL (default: one device)")
     add_dtype_arg(p, help="(default: float32 for the bundled pair, else bfloat16)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -134,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     config = _engine_config(args, num_steps)
     dtype = jnp.dtype(args.dtype or "bfloat16")
     log.info("loading %s (%s)", args.model, dtype)
-    target = load_target(args.model, mesh=make_mesh(args.mesh) if args.mesh else None, dtype=dtype)
+    mesh = make_mesh(args.mesh) if args.mesh else None
+    target = load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype)
     drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     channel = None

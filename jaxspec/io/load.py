@@ -22,21 +22,30 @@ from sharding.rules import DEFAULT_RULES, ShardingRules
 
 
 def load_target(
-    path: str | Path, *, mesh: Mesh | None = None, dtype=jnp.bfloat16, rules: ShardingRules = DEFAULT_RULES
+    path: str | Path,
+    *,
+    mesh: Mesh | None = None,
+    dtype=jnp.bfloat16,
+    rules: ShardingRules = DEFAULT_RULES,
+    kv_cache_dtype: str = "auto",
 ) -> Target:
     """Load an HF-layout checkpoint directory (config.json + safetensors; bf16 or INT4 pack-quantized experts), or
-    a `jaxspec-convert target` output (Orbax), restored straight into the mesh's shardings."""
+    a `jaxspec-convert target` output (Orbax), restored straight into the mesh's shardings. `kv_cache_dtype`:
+    "auto" (the compute dtype) or "fp8" (float8_e4m3fn latent cache with a per-token scale)."""
     mesh = mesh or single_device_mesh()
     if read_marker(path) is not None:  # a conversion output (None for an HF directory)
         cfg = KimiConfig.from_pretrained(path)
         check_complete(path, cfg)
         abstract = Target.abstract(cfg, mesh=mesh, dtype=dtype, int4_experts=cfg.quant is not None, rules=rules)
-        return Target(cfg, mesh, abstract.graphdef, restore_params(path, cfg, abstract.params), rules)
+        params = restore_params(path, cfg, abstract.params)
+        return Target(cfg, mesh, abstract.graphdef, params, rules, kv_cache_dtype)
     cfg = KimiConfig.from_pretrained(path)
     check_mesh(cfg, mesh, rules)  # before reading anything
     np_dtype = np.dtype(jnp.dtype(dtype))
     host = read_params(open_checkpoint(path, np_dtype), cfg, int4_experts=cfg.quant is not None, dtype=np_dtype)
-    return Target.from_host(cfg, dict(flatten(host)), mesh=mesh, dtype=dtype, rules=rules)
+    return Target.from_host(
+        cfg, dict(flatten(host)), mesh=mesh, dtype=dtype, rules=rules, kv_cache_dtype=kv_cache_dtype
+    )
 
 
 def load_drafter(

@@ -12,6 +12,18 @@ Attention over the live prefix: with a cache, both forms read only the positions
 the (local) batch, in fixed blocks of `kv_block` positions under a `fori_loop` whose trip count is data-dependent
 (ceil(live / kv_block)), with an online (flash-style) softmax. One compiled program serves every length; each block
 is sliced out of the stacked cache and cast on its own, so a step reads O(live) cache bytes, never O(buffer).
+
+FP8 cache (`kv_cache_dtype="fp8"`): each token's cache entry (latent and RoPE key together) is stored as
+float8_e4m3fn values with one float32 scale per token and layer, packed into a uint8 cache
+[L, B, S, Y + 4]: Y bytes of e4m3 values, then the scale's 4 bytes. The scale is the entry's max |value| / 448
+(e4m3's largest finite value), so no value clips and no calibration is needed; it costs 4 bytes of 580 at full
+size (1.99x the positions of a bf16 cache). A uint8 cache is the fp8 format: `write_cache` quantises into it and
+`read_entries` dequantises each block just before attention, so every path over the cache (chain and tree verify,
+decode, prefill) handles both formats. Why this design: vLLM/SGLang/tpu-inference store MLA caches as float8 with a
+per-tensor scale (1.0 unless calibrated: an outlier token clips); DeepSeek-V3.2's FlashMLA layout packs values and
+float32 scales in one byte buffer per token (656 B: 512 e4m3 + 4 scales + 64 bf16 RoPE values). One scale per token
+is that layout's idea at the least cost; e4m3 is floating point, so values far below the token's max keep their
+3-bit relative precision down to 2^-15 of it.
 """
 
 from __future__ import annotations
@@ -33,6 +45,11 @@ AttnImpl = Literal["expanded", "absorbed"]
 # fixed overhead, notably on GPU) but up to kv_block - 1 dead positions read per step; 512 x 576 bf16 values per
 # sequence is 590 KB, one small DMA on an accelerator.
 KV_BLOCK = 512
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+SCALE_BYTES = 4  # one float32 scale per cached token and layer
+PACKED = jnp.uint8  # the cache dtype of the fp8 format
 
 # Online-softmax state (fp32): running max [B,N,T], running denominator [B,N,T], unnormalised output [B,T,N,C]
 # (absorbed: over the latent) or [B,T,N,A] (expanded: over per-head values).
@@ -150,10 +167,46 @@ class MLA(nnx.Module):
         return ein("BTQ,QNH->BTNH", q_lat_BTQ, self.q_b_nope[...]), ein("BTQ,QNR->BTNR", q_lat_BTQ, self.q_b_rope[...])
 
 
+def is_fp8(cache: jax.Array) -> bool:
+    """Whether a cache is in the packed fp8 format (module docstring)."""
+    return cache.dtype == PACKED
+
+
+def quantize_entries(new_BTY: jax.Array) -> jax.Array:
+    """Cache entries [..., Y] -> packed fp8 [..., Y + 4] uint8: e4m3 values, then the float32 scale's bytes."""
+    x = new_BTY.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    values = jax.lax.bitcast_convert_type(jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8), PACKED)
+    return jnp.concatenate([values, jax.lax.bitcast_convert_type(scale[..., 0], PACKED)], axis=-1)
+
+
+def dequantize_entries(packed: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Packed fp8 entries [..., Y + 4] -> [..., Y] in `dtype` (value x its token's scale, in float32)."""
+    Y = packed.shape[-1] - SCALE_BYTES
+    values = jax.lax.bitcast_convert_type(packed[..., :Y], FP8).astype(jnp.float32)
+    scale = jax.lax.bitcast_convert_type(packed[..., Y:], jnp.float32)
+    return (values * scale[..., None]).astype(dtype)
+
+
+def read_entries(cache_entries: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Entries read from a cache (either format) in the compute dtype."""
+    return dequantize_entries(cache_entries, dtype) if is_fp8(cache_entries) else cache_entries.astype(dtype)
+
+
+def through_cache(new_BTY: jax.Array, cache: jax.Array) -> jax.Array:
+    """New entries as attention will read them back from `cache` (rounded through its format), in their dtype."""
+    if is_fp8(cache):
+        return dequantize_entries(quantize_entries(new_BTY), new_BTY.dtype)
+    return new_BTY.astype(cache.dtype)
+
+
 def write_cache(cache_LBSY: jax.Array, layer: jax.Array | int, new_BTY: jax.Array, pos_BT: jax.Array) -> jax.Array:
-    """Store each row's T new entries at their positions in `layer` (an in-place scatter; out-of-range dropped)."""
+    """Store each row's T new entries at their positions in `layer` (an in-place scatter; out-of-range dropped),
+    quantised when the cache is fp8."""
     rows_BT = jnp.broadcast_to(jnp.arange(pos_BT.shape[0], dtype=pos_BT.dtype)[:, None], pos_BT.shape)
-    return cache_LBSY.at[layer, rows_BT, pos_BT].set(new_BTY.astype(cache_LBSY.dtype), mode="drop")
+    stored = quantize_entries(new_BTY) if is_fp8(cache_LBSY) else new_BTY.astype(cache_LBSY.dtype)
+    return cache_LBSY.at[layer, rows_BT, pos_BT].set(stored, mode="drop")
 
 
 def live_blocks(q_pos_BT: jax.Array, cache_len: int, kv_block: int) -> tuple[jax.Array, int]:
@@ -184,7 +237,7 @@ def attend_live_prefix(
         # When S is not a multiple of blk the last block is shifted back to end at S; its positions before j * blk
         # were seen by the previous block and are masked here.
         start = jnp.minimum(j * blk, S - blk)
-        kv_BSY = jax.lax.dynamic_slice(cache_LBSY, (layer, 0, start, 0), (1, B, blk, Y))[0].astype(dtype)
+        kv_BSY = read_entries(jax.lax.dynamic_slice(cache_LBSY, (layer, 0, start, 0), (1, B, blk, Y))[0], dtype)
         kv_pos_S = start + jnp.arange(blk, dtype=q_pos_BT.dtype)
         mask_BTS = (kv_pos_S >= j * blk) & (kv_pos_S <= q_pos_BT[:, :, None])
         return online_softmax(state, *block_fn(kv_BSY), mask_BTS, scale)

@@ -31,6 +31,7 @@ from jaxspec.models.mla import (
     online_softmax,
     softmax_finish,
     softmax_init,
+    through_cache,
     write_cache,
 )
 from jaxspec.models.quant import einsum as ein
@@ -101,7 +102,7 @@ def tree_verify_mla(
         slots_BT = prefix_len_B[:, None] + jnp.arange(x_BTD.shape[1], dtype=jnp.int32)
         cache_LBSY = write_cache(cache_LBSY, layer, fresh_BTY, slots_BT)
         # The fresh keys go through the cache dtype, as a chain verify reads them back from the cache.
-        fresh_BTY = fresh_BTY.astype(cache_LBSY.dtype)
+        fresh_BTY = through_cache(fresh_BTY, cache_LBSY)
         out_BTD = mla_tree_attention(
             mla, q_nope_BTNH, q_rope_BTNR, fresh_BTY, cache_LBSY, layer, prefix_len_B, mask_BTS, kv_block=kv_block
         )

@@ -18,13 +18,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.config import KimiConfig
+from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
 from jaxspec.models.kimi import KimiModel
-from jaxspec.models.mla import KV_BLOCK, AttnImpl
+from jaxspec.models.mla import KV_BLOCK, PACKED, SCALE_BYTES, AttnImpl
 from jaxspec.models.moe import ExpertImpl, MoE
 from jaxspec.models.quant import Int4Array
 from jaxspec.models.tree_attention import compact_path
 from sharding.collectives import sharded_argmax, sharded_top_k
+from sharding.inspect import per_device_param_bytes
 from sharding.mesh import DATA, single_device_mesh
 from sharding.multihost import put_global, zeros
 from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
@@ -49,6 +50,12 @@ class Target:
     graphdef: Any
     params: Any  # nnx.State of jax.Arrays (or ShapeDtypeStructs for an abstract target)
     rules: ShardingRules = DEFAULT_RULES
+    # "auto": the latent cache in the compute dtype; "fp8": float8_e4m3fn with a per-token scale (models/mla.py)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -86,12 +93,13 @@ class Target:
         int4_experts: bool | None = None,
         seed: int = 0,
         rules: ShardingRules = DEFAULT_RULES,
+        kv_cache_dtype: str = "auto",
     ) -> Target:
         """Randomly initialised weights, created directly in their shardings."""
         mesh, graphdef, _, shardings = cls._skeleton(cfg, mesh, dtype, int4_experts, rules)
         make = lambda: nnx.state(_model(cfg, dtype, int4_experts, rules, seed))
         params = jax.jit(make, out_shardings=shardings)()
-        return cls(cfg, mesh, graphdef, params, rules)
+        return cls(cfg, mesh, graphdef, params, rules, kv_cache_dtype)
 
     @classmethod
     def abstract(
@@ -102,6 +110,7 @@ class Target:
         dtype=jnp.bfloat16,
         int4_experts: bool | None = None,
         rules: ShardingRules = DEFAULT_RULES,
+        kv_cache_dtype: str = "auto",
     ) -> Target:
         """Shapes, dtypes and shardings only: for lowering/compiling the real model without allocating it."""
         mesh, graphdef, abstract, shardings = cls._skeleton(cfg, mesh, dtype, int4_experts, rules)
@@ -112,7 +121,7 @@ class Target:
             )
 
         params = jax.tree.map(with_sharding, abstract, shardings, is_leaf=_is_var)
-        return cls(cfg, mesh, graphdef, params, rules)
+        return cls(cfg, mesh, graphdef, params, rules, kv_cache_dtype)
 
     @classmethod
     def from_host(
@@ -123,6 +132,7 @@ class Target:
         mesh: Mesh | None = None,
         dtype=jnp.bfloat16,
         rules: ShardingRules = DEFAULT_RULES,
+        kv_cache_dtype: str = "auto",
     ) -> Target:
         """Place host weights ({param path: numpy array or Int4Array}, every parameter of the model) on `mesh`.
 
@@ -142,7 +152,7 @@ class Target:
             return path, var.replace(put_global(arr, shardings[path]))  # only this process's shards
 
         params = nnx.from_flat_state([place(p, v) for p, v in nnx.to_flat_state(abstract)])
-        return cls(cfg, mesh, graphdef, params, rules)
+        return cls(cfg, mesh, graphdef, params, rules, kv_cache_dtype)
 
     def on_mesh(self, mesh: Mesh) -> Target:
         """The same weights placed on another mesh (e.g. 1 device -> 1x8)."""
@@ -171,6 +181,26 @@ class Target:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> Target:
+        """The same weights with another KV cache format ("auto" or "fp8")."""
+        return dataclasses.replace(self, kv_cache_dtype=kv_cache_dtype)
+
+    def cache_shape_dtype(self, batch: int, max_len: int) -> tuple[tuple[int, ...], jnp.dtype]:
+        """(shape, dtype) of the latent cache: [L, B, S, C+R] in the compute dtype, or with fp8 [L, B, S, C+R+4]
+        uint8 (e4m3 values, then each token's float32 scale; models/mla.py)."""
+        cfg = self.config
+        if self.kv_cache_dtype == "fp8":
+            return (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim + SCALE_BYTES), jnp.dtype(PACKED)
+        return (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim), self.dtype
+
+    def abstract_cache(self, batch: int, max_len: int) -> jax.ShapeDtypeStruct:
+        shape, dtype = self.cache_shape_dtype(batch, max_len)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, self.cache_spec()))
+
+    def cache_bytes_per_device(self, batch: int, max_len: int) -> int:
+        """Bytes one device holds of a cache for `batch` sequences of `max_len` positions (batch split over data)."""
+        return per_device_param_bytes(self.abstract_cache(batch, max_len))
 
     def cache_spec(self) -> PartitionSpec:
         """PartitionSpec of the latent cache [L, B, S, C+R]: batch over data, replicated over model."""
@@ -254,14 +284,10 @@ class Target:
         """AOT-compile one cached step (decode: tokens=1; verify: k+1; with `tree`, verify of a draft tree of
         `tokens` nodes under its ancestor mask) for abstract inputs; nothing is allocated beyond what `params` already
         holds. Used by `jaxspec inspect` and the full-size benchmark."""
-        cfg, mesh = self.config, self.mesh
+        mesh = self.mesh
         batch_sharding = NamedSharding(mesh, PartitionSpec(self.rules.batch, None))
         ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
-        cache = jax.ShapeDtypeStruct(
-            (cfg.num_hidden_layers, batch, cache_len, cfg.latent_dim),
-            self.dtype,
-            sharding=NamedSharding(mesh, self.cache_spec()),
-        )
+        cache = self.abstract_cache(batch, cache_len)
         if not tree:
             step = jax.jit(lambda p, t, q, c: self.apply(p, t, q, c, head=head), donate_argnums=3)
             return step.lower(self.params, ids, ids, cache).compile()
@@ -289,10 +315,10 @@ class Target:
         return tuple(captured[i] for i in range(len(layers)))
 
     def init_cache(self, batch: int, max_len: int) -> jax.Array:
-        """Zeroed latent cache [L, B, S, kv_lora_rank + qk_rope_head_dim] in the model dtype."""
-        cfg = self.config
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim)
-        return zeros(shape, self.dtype, NamedSharding(self.mesh, self.cache_spec()))
+        """Zeroed latent cache [L, B, S, kv_lora_rank + qk_rope_head_dim] in the model dtype, or in the fp8
+        format with `kv_cache_dtype="fp8"` (see `cache_shape_dtype`), made in its shards (sharding/multihost.py)."""
+        shape, dtype = self.cache_shape_dtype(batch, max_len)
+        return zeros(shape, dtype, NamedSharding(self.mesh, self.cache_spec()))
 
     def forward(self, token_ids, positions, cache, *, capture: Sequence[int] = (), impl: AttnImpl | None = None):
         """One cached step: write T tokens at `positions` [B, T] (contiguous per sequence) and return

@@ -10,13 +10,13 @@ from typing import Any
 import jax
 
 from sharding.inspect import (
-    TRIP_COUNT,
     HloInstruction,
     HloModule,
     collective_kind,
     execution_counts,
     parse_hlo,
     parse_hlo_shape,
+    trip_count,
 )
 
 # Ops whose result is (a view of) operand 0's data: followed when tracing an all-gather's operand back.
@@ -34,14 +34,14 @@ def while_loops(hlo: Any) -> list[dict[str, Any]]:
         for instr in comp.instructions.values():
             if instr.opcode == "while":
                 roles = dict(module.callees(instr))
-                trip = TRIP_COUNT.search(instr.attrs)
+                trip = trip_count(module, comp, instr)
                 out.append(
                     {
                         "computation": comp.name,
                         "name": instr.name,
                         "body": roles.get("body"),
                         "condition": roles.get("condition"),
-                        "trip_count": int(trip.group(1)) if trip else None,
+                        "trip_count": trip,
                     }
                 )
     return out
