@@ -34,14 +34,15 @@ from tqdm import tqdm
 from converters.shard_writer import DirectNumpyHandler, aligned_empty
 from jaxspec.config import KimiConfig
 from jaxspec.io import Target
-from jaxspec.io.fp8 import DTYPES, SCALE_SUFFIX, dequantized_config, fp8_block, open_checkpoint
+from jaxspec.io.fp8 import dequantized_config, fp8_block, open_checkpoint
 from jaxspec.io.hf import (
     CheckpointError,
     Reader,
+    caster,
     expected_tensors,
-    expert_tensors,
     is_ignorable,
     layer_table,
+    read_float_experts,
     read_layer,
     top_table,
 )
@@ -58,7 +59,6 @@ from jaxspec.io.orbax import (
     layer_group,
     stack_of,
 )
-from jaxspec.models.moe import EXPERT_PROJS
 from jaxspec.pytree import flatten, set_path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
@@ -271,63 +271,17 @@ def read_group(
     """The parameters of one group as stored: a nested dict of numpy arrays cast to `dtype` (Int4Array for INT4
     experts). Float routed experts keep the checkpoint's [E, out, in] layout (see `jaxspec.io.orbax`), read straight
     into (reused) `buffers`."""
-    dtype, cast = np.dtype(dtype), _caster(dtype)
+    dtype, cast = np.dtype(dtype), caster(dtype)
     if name == "top":
         return reader.rows(top_table(cfg), cast)
     layer = int(name.removeprefix("layer_"))
     moe = stack_of(cfg, layer)[0] == "moe_layers"
     if int4 or not moe:
-        return read_layer(reader, cfg, layer, moe, int4, cast)
+        return read_layer(reader, cfg, layer, moe, int4, dtype)
     out = reader.rows(layer_table(cfg, True), cast, prefix=f"model.layers.{layer}.")
-    for proj, stack in _read_experts(reader, cfg, layer, dtype, buffers or _Buffers()).items():
+    for proj, stack in read_float_experts(reader, cfg, layer, dtype, (buffers or _Buffers()).take).items():
         set_path(out, ("mlp", proj), stack)
     return out
-
-
-def _read_experts(
-    reader: Reader, cfg: KimiConfig, layer: int, dtype: np.dtype, buffers: _Buffers
-) -> dict[str, np.ndarray | None]:
-    """{projection: every routed expert's weight as [E, out, in] in `dtype`, or None if any had a problem (recorded)}.
-
-    Tensors are read in file order (HF names sort experts 0, 1, 10, 100, ... and interleave the projections; read
-    in expert order, the kernel's readahead saw a scattered pattern and the read ran at a third of the disk's speed).
-    An expert stored in `dtype` is read straight into its slot (one copy, no transpose); others are read, then cast.
-    """
-    E = cfg.n_routed_experts
-    rows = {p: [next(iter(expert_tensors(cfg, layer, p, e, False).items())) for e in range(E)] for p in EXPERT_PROJS}
-    stacks = {p: buffers.take((E, *r[0][1]), dtype) for p, r in rows.items()}
-    complete = dict.fromkeys(EXPERT_PROJS, True)
-    order = sorted(
-        ((p, e) for p in EXPERT_PROJS for e in range(E)), key=lambda pe: _location(reader, rows[pe[0]][pe[1]][0])
-    )
-    bulk, batch = getattr(reader.ckpt, "read_many", None), []
-    for proj, e in order:
-        name, shape = rows[proj][e]
-        stored = reader.names.get(name)
-        kind = None if stored is None or stored + SCALE_SUFFIX in reader.ckpt.files else reader.ckpt.dtype(stored)
-        direct = kind in DTYPES and np.dtype(DTYPES[kind]) == dtype  # else FP8 (dequantised), cast, or missing
-        if direct and bulk is not None:  # checked now, read below in one pass over the files
-            checked = reader.check(name, shape)
-            complete[proj] &= checked is not None
-            batch += [] if checked is None else [(checked, stacks[proj][e])]
-            continue
-        w = reader.get(name, shape, out=stacks[proj][e] if direct else None)
-        if w is None:
-            complete[proj] = False
-        elif not direct:
-            np.copyto(stacks[proj][e], w, casting="unsafe")
-    if batch:
-        bulk(batch)
-    return {p: stacks[p] if complete[p] else None for p in EXPERT_PROJS}
-
-
-def _location(reader: Reader, name: str) -> tuple[str, int]:
-    """(file, byte offset) of a tensor where the reader knows it, for reading in file order; missing ones last."""
-    stored = reader.names.get(name)
-    if stored is None:
-        return ("\uffff", 0)
-    where = getattr(reader.ckpt, "location", None)
-    return where(stored) if where is not None else (str(reader.ckpt.files[stored]), 0)
 
 
 def check_names(reader: Reader, cfg: KimiConfig, int4: bool, src: Path) -> int:
@@ -391,10 +345,6 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _caster(dtype: np.dtype) -> Callable[[Any], np.ndarray | None]:
-    return lambda a: None if a is None else np.asarray(a).astype(dtype, copy=False)
-
-
 def _group_bytes(cfg: KimiConfig, dtype, int4: bool) -> dict[str, int]:
     """Bytes each group occupies once converted (from the abstract model: nothing allocated)."""
     _, abstract = nnx.split(Target.abstract_model(cfg, dtype, int4))

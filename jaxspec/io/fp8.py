@@ -31,23 +31,7 @@ import numpy as np
 
 from jaxspec.config import ConfigError
 from jaxspec.io.direct import ALIGN, open_direct, refused
-from jaxspec.io.hf import CheckpointError, SafetensorsDir
-
-SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
-DTYPES: dict[str, Any] = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-}
+from jaxspec.io.hf import DTYPES, SCALE_SUFFIX, CheckpointError, SafetensorsDir
 
 
 def fp8_block(raw: dict[str, Any]) -> tuple[int, int] | None:
