@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         load.append(os.getloadavg()[0])
         pair = launch(2, args, Path(tmp))
         load.append(os.getloadavg()[0])
-    ratio = lambda key: {k: pair[key][k] / single[key][k] for k in single[key]}  # noqa: E731
+    ratio = lambda key: {k: pair[key][k] / single[key][k] for k in single[key]}
     result = {
         "command": "python benchmarks/multihost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "mesh": args.mesh,

@@ -38,7 +38,7 @@ def inspect(name: str, batch: int, tokens: int, cache_len: int, kv: str, out: Pa
 
 
 def row(r: dict) -> str:
-    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+    gib = lambda n: f"{n / 2**30:.2f}"
     ar = r.get("collectives", {}).get("all-reduce", {}).get("executed", "-")
     mosaic = r.get("kernels", {}).get("tpu_custom_call", "-")
     fits = "yes" if r["fits"] else "no"

@@ -188,7 +188,7 @@ def compiled_total(compiled: Any) -> int:
 
 
 def format_slice_report(report: dict[str, Any]) -> str:
-    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    gib = lambda n: f"{n / 2**30:.2f} GiB"
     fits = "fits" if report["fits"] else "does NOT fit"
     lines = [
         "",

@@ -87,7 +87,7 @@ def warp_rows(logits: jax.Array, rows: RowSampling) -> jax.Array:
     top-k / top-p need only runs when some row uses them.
     """
     logits = logits.astype(jnp.float32)
-    expand = lambda x: x.reshape(x.shape + (1,) * (logits.ndim - 1))  # noqa: E731  [B] -> [B, 1, ..., 1]
+    expand = lambda x: x.reshape(x.shape + (1,) * (logits.ndim - 1))  # [B] -> [B, 1, ..., 1]
     temp, top_k, top_p = expand(rows.temperature_B), expand(rows.top_k_B), expand(rows.top_p_B)
     greedy = temp == 0
     scaled = (logits - logits.max(-1, keepdims=True)) / jnp.where(greedy, 1.0, temp)

@@ -310,7 +310,7 @@ def extend_logits(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, 
     updated drafter cache)."""
     logits, h2, cache = drafter.apply(dparams, tokens_BT, aux_BTI, pos_BT, cache, first_step=True)
     mesh = drafter.target.mesh
-    pick = lambda x: jnp.take_along_axis(replicate(x, mesh), row_B[:, None, None], axis=1)[:, 0]  # noqa: E731
+    pick = lambda x: jnp.take_along_axis(replicate(x, mesh), row_B[:, None, None], axis=1)[:, 0]
     return pick(logits), pick(h2), cache
 
 
@@ -365,7 +365,7 @@ def commit(cfg: LoopConfig, s: LoopState, draft_BJ, accepted_B, next_B):
     first_stop_B = jnp.where(stop_BT.any(1), jnp.argmax(stop_BT, axis=1), J + 1)
     budget_B = s.max_new_B - (s.end_B - s.prompt_len_B)
     keep_B = jnp.minimum(jnp.minimum(accepted_B + 1, first_stop_B + 1), budget_B)
-    write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)  # noqa: E731
+    write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)
     active_B = ~s.done_B
     tokens_BS = jnp.where(active_B[:, None], jax.vmap(write)(s.tokens_BS, emitted_BT, n_B + 1), s.tokens_BS)
     end_B = jnp.where(active_B, s.end_B + keep_B, s.end_B)
@@ -379,7 +379,7 @@ def count_acceptance(J: int, s: LoopState, accepted_B, active_B) -> dict[str, ja
     """Step 6: per-position reached/accepted counters and the accepted-length histogram, over active rows (the
     LoopState fields they replace)."""
     idx_J = jnp.arange(J, dtype=jnp.int32)
-    count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)  # noqa: E731
+    count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)
     return {
         "cycles": s.cycles + 1,
         "reached_J": s.reached_J + count(accepted_B[:, None] >= idx_J),
@@ -422,7 +422,7 @@ def _speculative_accept(key, draft_BJ, q_BJV, p_BTV):
     """`speculative_accept`, each row with its own key when `key` is per-row [B]."""
     if key.ndim == 0:
         return speculative_accept(key, draft_BJ, q_BJV, p_BTV)
-    one = lambda k, d, q, p: speculative_accept(k, d[None], q[None], p[None])  # noqa: E731
+    one = lambda k, d, q, p: speculative_accept(k, d[None], q[None], p[None])
     accepted_B1, next_B1 = jax.vmap(one)(key, draft_BJ, q_BJV, p_BTV)
     return accepted_B1[:, 0], next_B1[:, 0]
 

@@ -127,7 +127,7 @@ class LoopState:
         replicated, and a program that makes its own arrays places them on every process's devices alike)."""
 
         def make(seed):
-            z = lambda dtype=jnp.int32: jnp.zeros((B,), dtype)  # noqa: E731
+            z = lambda dtype=jnp.int32: jnp.zeros((B,), dtype)
             key = jax.random.key(seed)
             fields = dict(
                 tokens_BS=jnp.zeros((B, S), jnp.int32),
@@ -171,7 +171,7 @@ class LoopState:
         """Write one admitted request into row `row`: prompt, budget, sampling settings, stop ids, key. The row stays
         done (cycles skip it) until its last prefill chunk; its length is the prompt length, so the positions that
         riding-along cycles overwrite lie past the prompt (and are rewritten before they are read)."""
-        set_ = lambda x, v: x.at[row].set(v)  # noqa: E731
+        set_ = lambda x, v: x.at[row].set(v)
         return self.replace(
             tokens_BS=set_(self.tokens_BS, init.tokens_S),
             prompt_len_B=set_(self.prompt_len_B, init.prompt_len),

@@ -184,7 +184,7 @@ def finish(draft: TreeDraft, root_B: jax.Array, prefix_len_B: jax.Array, num_dra
     # A kept node's parent is kept (see the module docstring): its place in `kept` is the one index that matches.
     place_BTS = kept[:, None, :] == parent_cand[:, :, None]
     parent_node = 1 + jnp.sum(place_BTS * jnp.arange(kept.shape[1], dtype=jnp.int32), axis=-1)
-    root_col = lambda v, x: jnp.concatenate([jnp.full((B, 1), v, x.dtype), x], axis=1)  # noqa: E731
+    root_col = lambda v, x: jnp.concatenate([jnp.full((B, 1), v, x.dtype), x], axis=1)
     parent_BT = root_col(-1, jnp.where(parent_cand < 0, 0, parent_node).astype(jnp.int32))
     depth_BT = root_col(0, jnp.asarray(_candidate_depths(draft.topk, num_cands))[kept])
     return Tree(
@@ -298,12 +298,12 @@ def speculative_accept_tree(
     if key.ndim == 0:
         u_key, draw_key = jax.random.split(key)
         u_BLK = jax.random.uniform(u_key, (B, levels, k))
-        draw = lambda logits_BV: jax.random.categorical(draw_key, logits_BV, axis=-1)  # noqa: E731
+        draw = lambda logits_BV: jax.random.categorical(draw_key, logits_BV, axis=-1)
     else:  # one key per row [B]: a row's draws depend only on its own key
         u_key_B, draw_key_B = jnp.swapaxes(jax.vmap(lambda kb: jax.random.split(kb))(key), 0, 1)
         u_BLK = jax.vmap(lambda kb: jax.random.uniform(kb, (levels, k)))(u_key_B)
-        draw = lambda logits_BV: jax.vmap(jax.random.categorical)(draw_key_B, logits_BV)  # noqa: E731
-    walk = lambda u, tok, par, p, q: _walk_row(u, tok, par, p, q)  # noqa: E731
+        draw = lambda logits_BV: jax.vmap(jax.random.categorical)(draw_key_B, logits_BV)
+    walk = lambda u, tok, par, p, q: _walk_row(u, tok, par, p, q)
     last_B, residual_BV = jax.vmap(walk)(u_BLK, tree.tokens_BT, tree.parent_BT, p_probs_BTV, q_probs_BTV)
     num_accepted_B = jnp.take_along_axis(tree.depth_BT, last_B[:, None], axis=1)[:, 0]
     return path_nodes(tree, last_B), num_accepted_B, draw(jnp.log(residual_BV)).astype(jnp.int32)

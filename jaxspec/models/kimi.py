@@ -149,7 +149,7 @@ class KimiModel(nnx.Module):
             def body(carry, xs, graphdef=graphdef, experts=experts, first=first):
                 x, cache, captured = carry
                 layer_params, layer_id = xs
-                view = lambda v: v.replace(LayerSlice(v.get_value(), layer_id - first))  # noqa: E731
+                view = lambda v: v.replace(LayerSlice(v.get_value(), layer_id - first))
                 layer = nnx.merge(graphdef, jax.tree.map(view, experts, is_leaf=_is_var), layer_params)
                 # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,Y] here
                 # would copy the full buffer every layer, however short the live prefix.

@@ -118,11 +118,12 @@ def test_warp_rows_equals_warp_per_row():
 def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_run(engine, prompts, pair):
     """Every plan of a serving run (greedy and sampled requests, one without a seed, one cancelled mid-run), sent
     through its serialised form to a fresh executor, gives back the same results: tokens, done flags and counters.
-    The plan is all an executor needs (what the other processes of a multi-process server get)."""
+    Counters count from the run's start (the fresh executor's start at 0). The plan is all an executor needs (what
+    the other processes of a multi-process server get)."""
     from jaxspec.serving.executor import Executor
     from jaxspec.serving.plan import StepPlan
 
-    log, run = [], engine.executor.run
+    log, run, before = [], engine.executor.run, engine.executor.counters()  # the module's earlier tests counted too
     engine.executor.run = lambda plan: log.append((plan.to_bytes(), run(plan))) or log[-1][1]
     try:
         requests = [
@@ -152,5 +153,6 @@ def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_
         stop_ids=engine.stop_ids,
     )
     replayed = [fresh.run(StepPlan.from_bytes(plan)) for plan, _ in log]
-    assert replayed == [result for _, result in log]
+    assert [r.rows for r in replayed] == [r.rows for _, r in log]
+    assert [r.counters for r in replayed] == [r.counters.minus(before) for _, r in log]
     assert sum(len(row.tokens) for result in replayed for row in result.rows) == sum(len(r.tokens) for r in requests)
