@@ -49,6 +49,7 @@ class RowAdmission:
     sampling: Sampling = Sampling()
     stop_ids: tuple[int, ...] = ()
     seed: int = 0  # the row's random key is jax.random.key(seed); drawn by the scheduler when the request has none
+    logprobs: bool = False  # the row's tokens (and prompt) are scored: segments run the per-row program
 
     def __post_init__(self):
         _int("RowAdmission", "row", self.row, 0)
@@ -60,6 +61,8 @@ class RowAdmission:
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"RowAdmission.stop_ids: expected at most {MAX_STOP_IDS}, got {len(self.stop_ids)}")
         _int("RowAdmission", "seed", self.seed, 0, 2**32 - 1)
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"RowAdmission.logprobs: expected a bool, got {self.logprobs!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -69,7 +72,8 @@ class RowAdmission:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RowAdmission:
         sampling = Sampling(**d["sampling"])
-        return cls(d["row"], tuple(d["prompt"]), d["max_new"], sampling, tuple(d["stop_ids"]), d["seed"])
+        prompt, stop_ids = tuple(d["prompt"]), tuple(d["stop_ids"])
+        return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], d.get("logprobs", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +118,12 @@ class Segment:
         return cls(d["rows"], d["positions"], DraftShape.from_dict(d["draft"]), d["greedy"], d["cycles"])
 
 
+@dataclasses.dataclass(frozen=True)
 class RowRead(RowPosition):
-    """Read back a generating row's tokens from position `start` (what its request has not been handed yet)."""
+    """Read back a generating row's tokens from position `start` (what its request has not been handed yet); for a
+    row that wants logprobs, their logprobs too, and with `prompt` its prompt's (echo: tokens 1.. of the prompt)."""
+
+    prompt: bool = False
 
 
 def _unique_rows(name: str, parts: tuple) -> None:
@@ -183,13 +191,28 @@ class StepPlan:
         return cls.from_dict(_load("StepPlan", data))
 
 
+# One token's scores: (its logprob, the top ids best first, their logprobs), from the target's raw logits.
+TokenLogprob = tuple[float, tuple[int, ...], tuple[float, ...]]
+
+
 @dataclasses.dataclass(frozen=True)
 class RowResult:
-    """A read row after the step: the tokens it gained from the read's start, and whether it is done."""
+    """A read row after the step: the tokens it gained from the read's start, and whether it is done; for a row that
+    wants logprobs, each token's (`logprobs`) and, when the read asked, the prompt's tokens 1.. (`prompt_logprobs`)."""
 
     row: int
     tokens: tuple[int, ...]
     done: bool
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RowResult:
+        def scores(x):
+            return None if x is None else tuple((lp, tuple(ids), tuple(lps)) for lp, ids, lps in x)
+
+        lps = scores(d.get("logprobs")), scores(d.get("prompt_logprobs"))
+        return cls(d["row"], tuple(d["tokens"]), d["done"], *lps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +253,7 @@ class StepResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepResult:
-        rows = tuple(RowResult(r["row"], tuple(r["tokens"]), r["done"]) for r in d["rows"])
+        rows = tuple(RowResult.from_dict(r) for r in d["rows"])
         c = d["counters"]
         counters = None if c is None else Counters(c["cycles"], *(tuple(c[k]) for k in _COUNTS))
         return cls(d["step"], rows, counters)
