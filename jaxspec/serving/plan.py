@@ -11,7 +11,8 @@ process runs the same plans in the same order. The executor runs a plan's parts 
 4. `segment`: `cycles` cycles of the draft-verify loop over rows [0, rows) and positions [0, positions) (compiled
    buckets), drafting `draft` (a `DraftShape`), as the static-greedy program (`greedy`) or the per-row one; None when
    no row is generating;
-5. `read`: for each `RowRead` (row, start), the row's tokens from `start` to its end and whether it is done.
+5. `read`: for each `RowRead` (row, start), the row's tokens from `start` to its end and whether it is done (and
+   their logprobs, for a row admitted with `logprobs`; with `RowRead.prompt`, its prompt's too).
 
 Later parts of the plan (a block table per row, a prefix hit's reused length) are further fields of the same kind.
 """
