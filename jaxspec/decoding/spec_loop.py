@@ -100,7 +100,7 @@ class SpecLoop:
         in_chunk_B = (last_B >= start) & (last_B < start + chunk)
         row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
-        first_B = _choose_target(k1, out_B, sampling)
+        first_B = _choose_target(k1, mask_stops(cfg, s, out_B[:, None], jnp.zeros((B, 1), jnp.int32))[:, 0], sampling)
         at_first_BS = in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None])
         s = s.replace(tokens_BS=jnp.where(at_first_BS, first_B[:, None], tokens_BS), target_cache=tcache, key=key)
         # Position p scores (and the drafter pairs the target state of p with) token p+1: the first token for the last.
@@ -223,7 +223,9 @@ class SpecLoop:
         if sampling.greedy:
             path, accepted_B, next_B = tree.greedy_accept_tree(nodes, out)
         else:
-            path, accepted_B, next_B = tree.speculative_accept_tree(accept_key, nodes, jnp.exp(_warp(out, sampling)))
+            generated_BT = (s.end_B - s.prompt_len_B)[:, None] + nodes.depth_BT
+            p_BTV = jnp.exp(_warp(mask_stops(cfg, s, out, generated_BT), sampling))
+            path, accepted_B, next_B = tree.speculative_accept_tree(accept_key, nodes, p_BTV)
         path_BJ = jnp.take_along_axis(nodes.tokens_BT, path[:, 1:], axis=1)
         emitted_BT, active_B, committed = commit(cfg, s, path_BJ, accepted_B, next_B)
         path_out = jnp.take_along_axis(out, path[:, :, None], axis=1) if cfg.logprobs else out  # the path's logits
@@ -351,7 +353,8 @@ def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
     if sampling.greedy:
         accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
     else:
-        p_BTV = jnp.exp(_warp(out, sampling))
+        generated_BT = (s.end_B - s.prompt_len_B)[:, None] + jnp.arange(J + 1, dtype=jnp.int32)
+        p_BTV = jnp.exp(_warp(mask_stops(cfg, s, out, generated_BT), sampling))
         q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
         accepted_B, next_B = _speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
     emitted_BT, active_B, committed = commit(cfg, s, draft_BJ, accepted_B, next_B)
@@ -378,6 +381,21 @@ def commit(cfg: LoopConfig, s: LoopState, draft_BJ, accepted_B, next_B):
     done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
     committed = s.replace(tokens_BS=tokens_BS, end_B=end_B, length_B=length_B, done_B=done_B)
     return emitted_BT, active_B, committed
+
+
+def mask_stops(cfg: LoopConfig, s: LoopState, logits_BTV, generated_BT):
+    """min_tokens: the target's logits [B, T, V] with every stop id (the config's and the row's) at -inf where the
+    token chosen there would be the row's generated token number `generated_BT` (0-based) < its min_new_B; the
+    speculative accept then runs against this masked distribution, as plain decoding samples from it. A static or
+    greedy program (no min_new_B, or ids for `logits_BTV`) is returned unchanged."""
+    if s.min_new_B is None or _greedy(cfg):
+        return logits_BTV
+    B, V = logits_BTV.shape[0], logits_BTV.shape[-1]
+    stop_BV = jnp.zeros((B, V), bool).at[:, jnp.asarray(cfg.stop_ids or (V,))].set(True, mode="drop")
+    row_ids = jnp.where(s.stop_ids >= 0, s.stop_ids, V)  # -1 (none) out of range: dropped
+    stop_BV = stop_BV.at[jnp.arange(B)[:, None], row_ids].set(True, mode="drop")
+    early_BT = generated_BT < s.min_new_B[:, None]
+    return jnp.where(early_BT[:, :, None] & stop_BV[:, None, :], -jnp.inf, logits_BTV)
 
 
 def score_tokens(logits_BTV, tokens_BT) -> Logprobs:

@@ -96,6 +96,9 @@ class LoopState:
     # Logprobs (a state built with `logprobs`): which rows want them, and at each position p the target's raw scores
     # of token p + 1 (so token i's are at i - 1; programs with LoopConfig.logprobs write them).
     wants_logprobs_B: jax.Array | None = struct.field(default=None, **_axes(0))  # bool
+    # Per-row states: the stop ids (the config's and the row's) are masked out of the target's distribution while a
+    # row has generated fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
+    min_new_B: jax.Array | None = struct.field(default=None, **_axes(0))
     logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
 
     # ------------------------------------------------------------------ the one constructor
@@ -160,6 +163,7 @@ class LoopState:
             if per_row:
                 fields["row_sampling"] = RowSampling(z(jnp.float32), z(), z(jnp.float32) + 1)
                 fields["stop_ids"] = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
+                fields["min_new_B"] = z()
             if lp:
                 N = MAX_TOP_LOGPROBS
                 fields["wants_logprobs_B"] = jnp.zeros((B,), bool)
@@ -200,6 +204,7 @@ class LoopState:
             key=set_(self.key, jax.random.key(init.seed)),
             row_sampling=jax.tree.map(set_, self.row_sampling, init.sampling),
             stop_ids=set_(self.stop_ids, init.stop_ids),
+            min_new_B=set_(self.min_new_B, init.min_new),
             wants_logprobs_B=None if self.wants_logprobs_B is None else set_(self.wants_logprobs_B, init.logprobs),
         )
 
@@ -266,10 +271,19 @@ class RowInit:
     stop_ids: Any  # int32 [MAX_STOP_IDS], -1 = none
     seed: Any  # uint32
     logprobs: Any = False  # bool: the row wants logprobs (written only into a state built with them)
+    min_new: Any = 0  # int32: tokens generated before a stop id may be
 
     @classmethod
     def of(
-        cls, prompt, max_new: int, sampling: Sampling, stop_ids, seed: int, context: int, logprobs: bool = False
+        cls,
+        prompt,
+        max_new: int,
+        sampling: Sampling,
+        stop_ids,
+        seed: int,
+        context: int,
+        logprobs: bool = False,
+        min_new: int = 0,
     ) -> RowInit:
         """A request's row for a state of `context` positions (validated by the caller: it fits)."""
         tokens = np.zeros((context,), np.int32)
@@ -279,9 +293,8 @@ class RowInit:
         row_sampling = RowSampling(
             np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
         )
-        return cls(
-            tokens, np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed), np.bool_(logprobs)
-        )
+        row = (np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
+        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new))
 
 
 def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -286,6 +286,10 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         _check_ids(prompt, vocab, where)
         room = cfg.max_context - len(prompt) - cfg.draft.lookahead - 1
         max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
+        if body.min_tokens > max_tokens:
+            raise _BadRequest(
+                f"min_tokens: expected at most the budget of {max_tokens}, got {body.min_tokens}", "min_tokens"
+            )
         problem = engine.check(len(prompt), max_tokens)
         if problem:
             param = budget_param if room > 0 else where
@@ -336,6 +340,7 @@ class _Run:
         budget = max(c.max_tokens - len(done), 1)  # max_tokens 0 (echo): one token, dropped
         r = EngineRequest(c.prompt + done, budget, sampling, seed, tuple(b.stop_token_ids))
         r.logprobs, r.echo = self.top is not None, self.echo and self.top is not None and c.parts == 0
+        r.min_tokens = min(max(b.min_tokens - len(done), 0), budget)
         put = self.updates.put_nowait
         r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
         self.engine.submit(r)

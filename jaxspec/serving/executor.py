@@ -70,7 +70,9 @@ class Executor:
         for row in plan.free:
             self.state = _free(self.state, np.int32(row))
         for a in plan.admit:
-            init = RowInit.of(a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context, a.logprobs)
+            init = RowInit.of(
+                a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context, a.logprobs, a.min_new
+            )
             self.state = _admit(self.state, np.int32(a.row), init)
         for chunk in plan.prefill:
             self.state = self.loop.prefill_slot(

@@ -51,6 +51,7 @@ class RowAdmission:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0  # the row's random key is jax.random.key(seed); drawn by the scheduler when the request has none
     logprobs: bool = False  # the row's tokens (and prompt) are scored: segments run the per-row program
+    min_new: int = 0  # stop ids are masked until the row has this many new tokens (per-row program)
 
     def __post_init__(self):
         _int("RowAdmission", "row", self.row, 0)
@@ -62,6 +63,7 @@ class RowAdmission:
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"RowAdmission.stop_ids: expected at most {MAX_STOP_IDS}, got {len(self.stop_ids)}")
         _int("RowAdmission", "seed", self.seed, 0, 2**32 - 1)
+        _int("RowAdmission", "min_new", self.min_new, 0, self.max_new)
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"RowAdmission.logprobs: expected a bool, got {self.logprobs!r}")
 
@@ -74,7 +76,8 @@ class RowAdmission:
     def from_dict(cls, d: dict[str, Any]) -> RowAdmission:
         sampling = Sampling(**d["sampling"])
         prompt, stop_ids = tuple(d["prompt"]), tuple(d["stop_ids"])
-        return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], d.get("logprobs", False))
+        extra = d.get("logprobs", False), d.get("min_new", 0)
+        return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], *extra)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,8 @@ from jaxspec.serving.plan import MAX_STOP_IDS
 MAX_STOP_STRINGS = 4  # as OpenAI
 
 # field -> (its neutral values, why another value is refused)
-_NEEDS_LOOP = "needs per-token state in the device loop, which this server does not have yet"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), "echo is supported on /v1/completions only"),
-    "min_tokens": ((None, 0), f"min_tokens (masking eos on the device) {_NEEDS_LOOP}"),
     "presence_penalty": ((None, 0), "penalties are not supported"),
     "frequency_penalty": ((None, 0), "penalties are not supported"),
     "repetition_penalty": ((None, 1), "penalties are not supported"),
@@ -61,10 +59,12 @@ class GenerateParams(BaseModel):
     stream: bool = False
     stream_options: dict[Literal["include_usage"], bool] | None = None
     n: int = Field(1, ge=1)  # at most the engine's slots (checked with the engine)
+    min_tokens: int = Field(
+        0, ge=0
+    )  # as vLLM: stop ids cannot end a choice before this many tokens (at most the budget)
     user: str | None = None
     # Declared so that a neutral value passes and any other is refused by name (`refusal`).
     echo: Any = None
-    min_tokens: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None

@@ -84,6 +84,7 @@ class Request:
     on_update: Callable[[Request, list[int]], None] | None = None
     logprobs: bool = False  # score each generated token (`token_logprobs`)
     echo: bool = False  # score the prompt's tokens 1.. too (`prompt_logprobs`, set before the first tokens arrive)
+    min_tokens: int = 0  # stop ids (eos and the request's) cannot end it before this many tokens
     # filled in by the scheduler
     tokens: list[int] = dataclasses.field(default_factory=list)
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token (with logprobs)
@@ -171,6 +172,8 @@ class Scheduler:
             raise ValueError(f"max_tokens: expected an integer >= 1, got {request.max_tokens!r}")
         if len(request.stop_ids) > MAX_STOP_IDS or any(not 0 <= t < vocab for t in request.stop_ids):
             raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
+        if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_tokens:
+            raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {request.min_tokens!r}")
         seed = request.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
             raise ValueError(f"seed: expected an integer in [0, 2**32), got {request.seed!r}")
@@ -306,7 +309,8 @@ class Scheduler:
             seed = request.seed if request.seed is not None else self.seeds()
             prompt, stop_ids = tuple(request.prompt), tuple(request.stop_ids)
             scored = request.logprobs or request.echo
-            admitted.append(RowAdmission(row, prompt, request.max_tokens, request.sampling, stop_ids, seed, scored))
+            budget, min_new = request.max_tokens, request.min_tokens
+            admitted.append(RowAdmission(row, prompt, budget, request.sampling, stop_ids, seed, scored, min_new))
             request.slot = row
             self.slots[row] = Slot(request, 0)
         return tuple(admitted)
@@ -355,8 +359,9 @@ class Scheduler:
 
 
 def _greedy_program_serves(request: Request) -> bool:
-    """The static-greedy program can run this request's row: greedy, and nothing to score (it has no logits)."""
-    return request.sampling.greedy and not (request.logprobs or request.echo)
+    """The static-greedy program can run this request's row: greedy, nothing to score and no stop ids to mask (it has
+    no logits)."""
+    return request.sampling.greedy and not (request.logprobs or request.echo or request.min_tokens)
 
 
 def _notify(request: Request, new: list[int]) -> None:

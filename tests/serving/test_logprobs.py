@@ -1,6 +1,7 @@
-"""Token logprobs on the device (the serving engine's per-row program): a greedy speculative run reports what plain
-decoding reports, both equal one full forward of the final sequence, echo scores the prompt from its prefill, and a
-sampled run's scores are the target's raw ones (no temperature or top-k)."""
+"""Token logprobs and min_tokens on the device (the serving engine's per-row program): a greedy speculative run
+reports what plain decoding reports, both equal one full forward of the final sequence, echo scores the prompt from
+its prefill, a sampled run's scores are the target's raw ones (no temperature or top-k), and min_tokens masks the
+stop ids in both alike."""
 
 import dataclasses
 
@@ -80,3 +81,32 @@ def test_sampled_logprobs_are_the_targets_raw_scores_and_rows_without_them_are_u
     assert bare.token_logprobs == [] and bare.prompt_logprobs is None and scored.prompt_logprobs is None
     sequence = scored.prompt + scored.tokens
     check_against_forward(scored.token_logprobs, forward_scores(pair[0], sequence), sequence, len(scored.prompt))
+
+
+def test_min_tokens_masks_stop_ids_and_greedy_speculative_equals_plain(engines, prompts, reference):
+    """A stop id the greedy output meets at token k cannot end it before min_tokens: spec == plain decoding with the
+    same mask, the masked position takes the best token that is not a stop id (the raw scores still rank the stop id
+    first), and without min_tokens the request stops there."""
+    spec, plain = engines
+    ref = reference(prompts[5], 12)
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+    stop = (ref[k],)
+    assert run(spec, [Request(prompts[5], 12, stop_ids=stop)])[0].tokens == ref[: k + 1]
+    asks = lambda: [Request(prompts[5], 12, stop_ids=stop, min_tokens=k + 3, logprobs=True)]  # noqa: E731
+    (got,), (want,) = run(spec, asks()), run(plain, asks())
+    assert got.tokens == want.tokens and got.tokens[:k] == ref[:k] and stop[0] not in got.tokens[: k + 3]
+    top_ids = got.token_logprobs[k][1]
+    assert top_ids[0] == stop[0] and got.tokens[k] == top_ids[1]
+
+
+def test_tree_logprobs_equal_one_full_forward(pair, prompts):
+    """A tree draft's scores come from the verify logits of the accepted path's nodes (the engine of
+    test_engine_tree, whose programs compile once per session): a greedy and a sampled request."""
+    from tests.serving.test_engine_tree import CONFIG as TREE
+
+    target, drafter, tokenizer = pair
+    engine = Engine(target, drafter, TREE, stop_ids=tokenizer.stop_ids)
+    asks = [Request(prompts[1], 14, logprobs=True), Request(prompts[3], 10, Sampling(0.8), seed=4, logprobs=True)]
+    for r in run(engine, asks):
+        sequence = r.prompt + r.tokens
+        check_against_forward(r.token_logprobs, forward_scores(target, sequence), sequence, len(r.prompt))

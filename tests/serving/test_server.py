@@ -181,7 +181,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
         ({"model": MODEL, "messages": CHAT, "echo": True}, 400, "echo"),
         ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"model": MODEL, "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-        ({"model": MODEL, "prompt": "x", "min_tokens": 4}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
@@ -333,6 +333,11 @@ def test_stop_token_ids_end_the_choice_at_that_token(client, pair, prompts, refe
     )
     assert (out.choices[0].text, out.usage.completion_tokens) == (text_of(pair, ref[:k]), k + 1)
     assert out.choices[0].finish_reason == "stop"
+    # min_tokens masks it on the device until k + 3 tokens exist (the same tokens before it; another one at k)
+    extra = {"stop_token_ids": [ref[k]], "min_tokens": k + 3}
+    out = client.completions.create(model=MODEL, prompt=prompts[5], max_tokens=24, temperature=0, extra_body=extra)
+    assert out.usage.completion_tokens >= k + 3 and out.choices[0].text.startswith(text_of(pair, ref[:k]))
+    assert out.choices[0].text != text_of(pair, ref)[: len(out.choices[0].text)]
 
 
 def test_endpoints_models_tokenize_version_and_head(client, server, pair):
@@ -357,27 +362,6 @@ def test_endpoints_models_tokenize_version_and_head(client, server, pair):
     bad.append(("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400))
     for path, body, status in bad:
         assert httpx.post(base + path, json=body).status_code == status, (path, body)
-
-
-def test_sigterm_drains_the_running_stream(server, pair, reference):
-    """Last: SIGTERM while a stream runs; the stream still completes (every token of the greedy answer), then the
-    server exits cleanly and stops taking connections."""
-    proc, base, log = server
-    body = {"model": MODEL, "prompt": [9, 8, 7], "max_tokens": 24, "temperature": 0, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
-        lines = response.iter_lines()
-        first = next(lines)
-        proc.send_signal(signal.SIGTERM)
-        events = [first] + [line for line in lines if line]
-    assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text_of(pair, reference([9, 8, 7], 24))
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 24
-    # uvicorn re-raises the signal once it has drained and shut down: a clean exit reads -SIGTERM (or 0).
-    assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()[-2000:]
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"{base}/health", timeout=2)
 
 
 def test_logprobs_and_echo_in_openai_shapes(client, pair, prompts, reference):
@@ -423,3 +407,24 @@ def test_logprobs_and_echo_in_openai_shapes(client, pair, prompts, reference):
         for x in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])
     ]
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
+def test_sigterm_drains_the_running_stream(server, pair, reference):
+    """Last: SIGTERM while a stream runs; the stream still completes (every token of the greedy answer), then the
+    server exits cleanly and stops taking connections."""
+    proc, base, log = server
+    body = {"model": MODEL, "prompt": [9, 8, 7], "max_tokens": 24, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        proc.send_signal(signal.SIGTERM)
+        events = [first] + [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text_of(pair, reference([9, 8, 7], 24))
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 24
+    # uvicorn re-raises the signal once it has drained and shut down: a clean exit reads -SIGTERM (or 0).
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()[-2000:]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/health", timeout=2)
