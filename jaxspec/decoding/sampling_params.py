@@ -10,6 +10,7 @@ import dataclasses
 import numbers
 
 MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own): the width of the loop state's stop_ids
+MAX_TOP_LOGPROBS = 20  # top alternatives kept per position when logprobs are asked for (OpenAI's limit)
 
 
 @dataclasses.dataclass(frozen=True)

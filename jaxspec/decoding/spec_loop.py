@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxspec.decoding import tree
 from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
 from jaxspec.decoding.sampling import RowSampling, Sampling, sample, sample_rows, warp, warp_rows
-from jaxspec.decoding.state import LoopConfig, LoopState
+from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS
+from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState
 from jaxspec.models.eagle3 import concat_captured
 from jaxspec.runtime import Drafter, Target
 
@@ -99,13 +100,14 @@ class SpecLoop:
         in_chunk_B = (last_B >= start) & (last_B < start + chunk)
         row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
-        first_B = _choose_target(k1, out_B, sampling)
+        first_B = _choose_target(k1, mask_stops(cfg, s, out_B[:, None], jnp.zeros((B, 1), jnp.int32))[:, 0], sampling)
         at_first_BS = in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None])
         s = s.replace(tokens_BS=jnp.where(at_first_BS, first_B[:, None], tokens_BS), target_cache=tcache, key=key)
+        # Position p scores (and the drafter pairs the target state of p with) token p+1: the first token for the last.
+        next_BT = jax.lax.dynamic_slice_in_dim(s.tokens_BS, start + 1, chunk, axis=1)
+        s = write_logprobs(cfg, s, out, next_BT, jnp.full((B,), start), jnp.ones((B,), bool))
         if not self._uses_drafter(cfg):
             return s
-        # Drafter position p pairs the target state of p with token p+1 (the first token for the last p).
-        next_BT = jax.lax.dynamic_slice_in_dim(s.tokens_BS, start + 1, chunk, axis=1)
         aux_BTI = concat_captured(captured)
         if cfg.tree:  # the next root's logits: the first cycle expands its top-k
             dq_BV, h2_BD, dcache = extend_logits(self.drafter, dparams, next_BT, aux_BTI, pos_BT, s.draft_cache, row_B)
@@ -221,9 +223,13 @@ class SpecLoop:
         if sampling.greedy:
             path, accepted_B, next_B = tree.greedy_accept_tree(nodes, out)
         else:
-            path, accepted_B, next_B = tree.speculative_accept_tree(accept_key, nodes, jnp.exp(_warp(out, sampling)))
+            generated_BT = (s.end_B - s.prompt_len_B)[:, None] + nodes.depth_BT
+            p_BTV = jnp.exp(_warp(mask_stops(cfg, s, out, generated_BT), sampling))
+            path, accepted_B, next_B = tree.speculative_accept_tree(accept_key, nodes, p_BTV)
         path_BJ = jnp.take_along_axis(nodes.tokens_BT, path[:, 1:], axis=1)
         emitted_BT, active_B, committed = commit(cfg, s, path_BJ, accepted_B, next_B)
+        path_out = jnp.take_along_axis(out, path[:, :, None], axis=1) if cfg.logprobs else out  # the path's logits
+        committed = write_logprobs(cfg, committed, path_out, emitted_BT, n_B, active_B)
         tcache = self.target.compact_cache(tcache, n_B, path, jnp.where(active_B, accepted_B, 0))
 
         # 5. draft-extend over the path's tokens with its nodes' target states (positions n..n+J)
@@ -347,10 +353,12 @@ def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
     if sampling.greedy:
         accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
     else:
-        p_BTV = jnp.exp(_warp(out, sampling))
+        generated_BT = (s.end_B - s.prompt_len_B)[:, None] + jnp.arange(J + 1, dtype=jnp.int32)
+        p_BTV = jnp.exp(_warp(mask_stops(cfg, s, out, generated_BT), sampling))
         q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
         accepted_B, next_B = _speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
     emitted_BT, active_B, committed = commit(cfg, s, draft_BJ, accepted_B, next_B)
+    committed = write_logprobs(cfg, committed, out, emitted_BT, s.length_B, active_B)
     return accepted_B, emitted_BT, active_B, committed
 
 
@@ -373,6 +381,48 @@ def commit(cfg: LoopConfig, s: LoopState, draft_BJ, accepted_B, next_B):
     done_B = s.done_B | (first_stop_B <= accepted_B) | (end_B - s.prompt_len_B >= s.max_new_B)
     committed = s.replace(tokens_BS=tokens_BS, end_B=end_B, length_B=length_B, done_B=done_B)
     return emitted_BT, active_B, committed
+
+
+def mask_stops(cfg: LoopConfig, s: LoopState, logits_BTV, generated_BT):
+    """min_tokens: the target's logits [B, T, V] with every stop id (the config's and the row's) at -inf where the
+    token chosen there would be the row's generated token number `generated_BT` (0-based) < its min_new_B; the
+    speculative accept then runs against this masked distribution, as plain decoding samples from it. A static or
+    greedy program (no min_new_B, or ids for `logits_BTV`) is returned unchanged."""
+    if s.min_new_B is None or _greedy(cfg):
+        return logits_BTV
+    B, V = logits_BTV.shape[0], logits_BTV.shape[-1]
+    stop_BV = jnp.zeros((B, V), bool).at[:, jnp.asarray(cfg.stop_ids or (V,))].set(True, mode="drop")
+    row_ids = jnp.where(s.stop_ids >= 0, s.stop_ids, V)  # -1 (none) out of range: dropped
+    stop_BV = stop_BV.at[jnp.arange(B)[:, None], row_ids].set(True, mode="drop")
+    early_BT = generated_BT < s.min_new_B[:, None]
+    return jnp.where(early_BT[:, :, None] & stop_BV[:, None, :], -jnp.inf, logits_BTV)
+
+
+def score_tokens(logits_BTV, tokens_BT) -> Logprobs:
+    """The raw log-softmax of `logits_BTV` [B, T, V] at each position: the logprob of `tokens_BT` and the top
+    MAX_TOP_LOGPROBS ids and logprobs, best first."""
+    lp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    token_BT = jnp.take_along_axis(lp_BTV, tokens_BT[..., None], axis=-1)[..., 0]
+    top_BTN, ids_BTN = jax.lax.top_k(lp_BTV, MAX_TOP_LOGPROBS)
+    return Logprobs(token_BT, ids_BTN.astype(jnp.int32), top_BTN)
+
+
+def write_logprobs(cfg: LoopConfig, s: LoopState, logits_BTV, tokens_BT, start_B, rows_B) -> LoopState:
+    """With `cfg.logprobs`: the scores of `tokens_BT` under `logits_BTV` (the target at positions start_B..) written
+    at positions start_B.. of the rows `rows_B` that want logprobs; skipped at run time (lax.cond) when none does."""
+    if not cfg.logprobs:
+        return s
+    want_B = rows_B & s.wants_logprobs_B
+    write_row = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)  # noqa: E731
+
+    def write(buffers: Logprobs) -> Logprobs:
+        def put(x, new):
+            keep = want_B.reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.where(keep, jax.vmap(write_row)(x, new, start_B), x)
+
+        return jax.tree.map(put, buffers, score_tokens(logits_BTV, tokens_BT))
+
+    return s.replace(logprobs=jax.lax.cond(jnp.any(want_B), write, lambda b: b, s.logprobs))
 
 
 def count_acceptance(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:

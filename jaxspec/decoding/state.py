@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import RowSampling, Sampling
-from jaxspec.decoding.sampling_params import MAX_STOP_IDS
+from jaxspec.decoding.sampling_params import MAX_STOP_IDS, MAX_TOP_LOGPROBS
 from sharding.multihost import put_global
 
 
@@ -33,10 +33,15 @@ class LoopConfig:
     stop_ids: tuple[int, ...]
     prompt_bucket: int  # padded prompt length (a multiple of prefill_chunk)
     prefill_chunk: int
+    # Write each scored position's raw logprobs into LoopState.logprobs for the rows that ask (wants_logprobs_B):
+    # needs per-row sampling (the static-greedy program's head is an argmax, with no logits to score).
+    logprobs: bool = False
 
     def __post_init__(self):
         if not isinstance(self.draft, DraftShape):
             raise ValueError(f"LoopConfig.draft: expected a DraftShape, got {self.draft!r}")
+        if self.logprobs and self.sampling is not None:
+            raise ValueError("LoopConfig.logprobs: needs per-row sampling (sampling None), got static sampling")
 
     @property
     def num_steps(self) -> int:
@@ -89,6 +94,13 @@ class LoopState:
     # seed and history.
     row_sampling: RowSampling | None = struct.field(default=None, **_axes(0))
     stop_ids: jax.Array | None = struct.field(default=None, **_axes(0))
+    # Logprobs (a state built with `logprobs`): which rows want them, and at each position p the target's raw scores
+    # of token p + 1 (so token i's are at i - 1; programs with LoopConfig.logprobs write them).
+    wants_logprobs_B: jax.Array | None = struct.field(default=None, **_axes(0))  # bool
+    # Per-row states: the stop ids (the config's and the row's) are masked out of the target's distribution while a
+    # row has generated fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
+    min_new_B: jax.Array | None = struct.field(default=None, **_axes(0))
+    logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
 
     # ------------------------------------------------------------------ the one constructor
     @classmethod
@@ -103,11 +115,13 @@ class LoopState:
         per_row: bool = False,
         greedy: bool = False,
         seed: int = 0,
+        logprobs: bool = False,
     ) -> LoopState:
         """A state of `batch` rows and `context` positions with every row done (free), replicated on the target's
         mesh. `per_row`: per-row sampling (greedy), stop ids (none) and keys (split from seed `seed`, until a
         request is admitted there); else one key from `seed`. `greedy`: every program run on this state is greedy,
-        so a chain keeps no draft distribution. The drafter's cache exists when the draft uses the drafter."""
+        so a chain keeps no draft distribution. `logprobs` (per-row only): the logprob buffers (`Logprobs`, 164
+        bytes per position and row). The drafter's cache exists when the draft uses the drafter."""
         use_drafter = drafter is not None and not draft.plain
         D = drafter.config.hidden_size if use_drafter else 1
         V = 1
@@ -117,12 +131,14 @@ class LoopState:
             V = target.vocab_size
         hidden_dtype = drafter.dtype if use_drafter else jnp.float32
         J = draft.num_steps
-        rows = cls._rows(target.mesh, batch, context, D, V, J, hidden_dtype, per_row, seed)
+        if logprobs and not per_row:
+            raise ValueError("LoopState.empty: logprobs needs per_row (rows ask for them one by one)")
+        rows = cls._rows(target.mesh, batch, context, D, V, J, hidden_dtype, per_row, seed, logprobs)
         draft_cache = drafter.init_cache(batch, context) if use_drafter else None
         return cls(target_cache=target.init_cache(batch, context), draft_cache=draft_cache, **rows)
 
     @staticmethod
-    def _rows(mesh, B: int, S: int, D: int, V: int, J: int, hidden_dtype, per_row: bool, seed: int) -> dict:
+    def _rows(mesh, B: int, S: int, D: int, V: int, J: int, hidden_dtype, per_row: bool, seed: int, lp: bool) -> dict:
         """Every field but the caches, made on the devices in one program (replicated: the loop's bookkeeping runs
         replicated, and a program that makes its own arrays places them on every process's devices alike)."""
 
@@ -148,6 +164,13 @@ class LoopState:
             if per_row:
                 fields["row_sampling"] = RowSampling(z(jnp.float32), z(), z(jnp.float32) + 1)
                 fields["stop_ids"] = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
+                fields["min_new_B"] = z()
+            if lp:
+                N = MAX_TOP_LOGPROBS
+                fields["wants_logprobs_B"] = jnp.zeros((B,), bool)
+                fields["logprobs"] = Logprobs(
+                    jnp.zeros((B, S), jnp.float32), jnp.zeros((B, S, N), jnp.int32), jnp.zeros((B, S, N), jnp.float32)
+                )
             return fields
 
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -182,6 +205,8 @@ class LoopState:
             key=set_(self.key, jax.random.key(init.seed)),
             row_sampling=jax.tree.map(set_, self.row_sampling, init.sampling),
             stop_ids=set_(self.stop_ids, init.stop_ids),
+            min_new_B=set_(self.min_new_B, init.min_new),
+            wants_logprobs_B=None if self.wants_logprobs_B is None else set_(self.wants_logprobs_B, init.logprobs),
         )
 
     def free(self, row) -> LoopState:
@@ -227,6 +252,16 @@ class LoopState:
 
 
 @struct.dataclass
+class Logprobs:
+    """Scores per position p of the token at p + 1, from the target's raw logits (log-softmax, no warping, as
+    vLLM's raw_logprobs): its logprob [B, S] and the top MAX_TOP_LOGPROBS ids and logprobs [B, S, N], best first."""
+
+    token_BS: jax.Array  # float32
+    top_ids_BSN: jax.Array  # int32
+    top_BSN: jax.Array  # float32
+
+
+@struct.dataclass
 class RowInit:
     """One admitted request as the row values `LoopState.admit` writes (host arrays; a pytree)."""
 
@@ -236,9 +271,21 @@ class RowInit:
     sampling: RowSampling  # float32 / int32 / float32 scalars
     stop_ids: Any  # int32 [MAX_STOP_IDS], -1 = none
     seed: Any  # uint32
+    logprobs: Any = False  # bool: the row wants logprobs (written only into a state built with them)
+    min_new: Any = 0  # int32: tokens generated before a stop id may be
 
     @classmethod
-    def of(cls, prompt, max_new: int, sampling: Sampling, stop_ids, seed: int, context: int) -> RowInit:
+    def of(
+        cls,
+        prompt,
+        max_new: int,
+        sampling: Sampling,
+        stop_ids,
+        seed: int,
+        context: int,
+        logprobs: bool = False,
+        min_new: int = 0,
+    ) -> RowInit:
         """A request's row for a state of `context` positions (validated by the caller: it fits)."""
         tokens = np.zeros((context,), np.int32)
         tokens[: len(prompt)] = prompt
@@ -247,7 +294,8 @@ class RowInit:
         row_sampling = RowSampling(
             np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
         )
-        return cls(tokens, np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
+        row = (np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
+        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new))
 
 
 @jax.jit

@@ -12,6 +12,8 @@ One HTTP request becomes one engine request per choice: a list of prompts gives 
 choices per prompt (index = prompt * n + j), each with its own seed derived from the request's `seed`
 (`derive_seed`). `ignore_eos` continues a choice that stopped at the model's eos by submitting prompt + output so
 far for the rest of its budget (a re-prefill; the engine's compiled loop always stops at the model's eos).
+Logprobs (`logprobs`, chat's `top_logprobs`) and `echo` come from the engine's scores (`logprobs.py` gives them
+OpenAI's shapes); `max_tokens: 0` with `echo` runs one token and drops it, returning only the scored prompt.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from starlette.exceptions import HTTPException
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving.engine import Engine, QueueFull
 from jaxspec.serving.engine import Request as EngineRequest
+from jaxspec.serving.logprobs import chat_logprobs, completion_logprobs
 from jaxspec.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -247,12 +250,20 @@ class _Choice:
     request: EngineRequest | None = None  # the engine request running now
     parts: int = 0  # engine requests submitted for it (more than one only with ignore_eos)
     reason: str | None = None  # finish reason, once finished
+    # logprobs: the scores of every token taken (text.tokens is a prefix of those), how many of the running engine
+    # request's were taken, the echoed prompt's scores (its first token None), and what a stream has sent
+    scores: list = dataclasses.field(default_factory=list)
+    taken: int = 0
+    prefix: str | None = None  # the echoed prompt's text, once echoed
+    prompt_scores: list = dataclasses.field(default_factory=list)
+    sent: int = -1  # tokens whose scores a stream sent; -1: not even the echoed prompt's
+    offset: int = 0  # text offset of the next token a stream sends
 
 
 def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool) -> list[_Choice]:
     """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context."""
     cfg, vocab = engine.config, engine.target.vocab_size
-    refused = body.refusal()
+    refused = body.refusal() or _logprob_refusal(body, chat)
     if refused:
         raise _BadRequest(refused[1], refused[0])
     if body.n > cfg.max_batch:
@@ -275,6 +286,10 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         _check_ids(prompt, vocab, where)
         room = cfg.max_context - len(prompt) - cfg.draft.lookahead - 1
         max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
+        if body.min_tokens > max_tokens:
+            raise _BadRequest(
+                f"min_tokens: expected at most the budget of {max_tokens}, got {body.min_tokens}", "min_tokens"
+            )
         problem = engine.check(len(prompt), max_tokens)
         if problem:
             param = budget_param if room > 0 else where
@@ -286,11 +301,22 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
     return choices
 
 
+def _logprob_refusal(body: GenerateParams, chat: bool) -> tuple[str, str] | None:
+    """(field, message) for a logprobs / echo combination that means nothing, else None."""
+    if chat and body.top_logprobs and not body.logprobs:
+        return "top_logprobs", "top_logprobs: needs logprobs true"
+    if not chat and body.max_tokens == 0 and not body.echo:
+        return "max_tokens", "max_tokens: 0 generates nothing; it is accepted only with echo (to score the prompt)"
+    return None
+
+
 class _Run:
     """The engine requests of one HTTP request and their updates (an asyncio queue fed from the engine thread)."""
 
-    def __init__(self, engine: Engine, body: GenerateParams, choices: list[_Choice]):
-        self.engine, self.body, self.choices = engine, body, choices
+    def __init__(self, engine: Engine, tokenizer, body: GenerateParams, choices: list[_Choice], chat: bool):
+        self.engine, self.tokenizer, self.body, self.choices, self.chat = engine, tokenizer, body, choices, chat
+        self.top = body.top_logprobs_count  # None: no logprobs
+        self.echo = not chat and bool(body.echo)
         self.updates: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._eos = set(engine.stop_ids) - set(body.stop_token_ids)  # what ignore_eos generates past
@@ -311,11 +337,14 @@ class _Run:
         b = self.body
         seed = c.seed if c.seed is None else derive_seed(c.seed, 0, c.parts)
         sampling = Sampling(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p)
-        r = EngineRequest(c.prompt + done, c.max_tokens - len(done), sampling, seed, tuple(b.stop_token_ids))
+        budget = max(c.max_tokens - len(done), 1)  # max_tokens 0 (echo): one token, dropped
+        r = EngineRequest(c.prompt + done, budget, sampling, seed, tuple(b.stop_token_ids))
+        r.logprobs, r.echo = self.top is not None, self.echo and self.top is not None and c.parts == 0
+        r.min_tokens = min(max(b.min_tokens - len(done), 0), budget)
         put = self.updates.put_nowait
         r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
         self.engine.submit(r)
-        c.request, c.parts = r, c.parts + 1
+        c.request, c.parts, c.taken = r, c.parts + 1, 0
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -326,7 +355,15 @@ class _Run:
         """Take one engine update of choice `c`; the text delta to send, or None for a stale update."""
         if r is not c.request or c.reason is not None:
             return None  # from a part that a stop string ended, or after the choice finished
-        delta = c.text.push(new)
+        if self.top is not None:
+            c.scores.extend(r.token_logprobs[c.taken : c.taken + len(new)])
+            c.taken += len(new)
+        delta = self._echo(c, r)
+        if c.max_tokens == 0:  # echo only: the prompt (and its scores), nothing generated
+            self.engine.cancel(r, "length")
+            c.reason = "length"
+            return delta
+        delta += c.text.push(new)
         if c.text.stopped:
             self.engine.cancel(r, "stop")  # frees the slot at once
             c.reason = "stop"
@@ -334,6 +371,35 @@ class _Run:
             delta += c.text.finish()
             c.reason = reason
         return delta
+
+    def _echo(self, c: _Choice, r: EngineRequest) -> str:
+        """With echo, the prompt's text (and scores) at the choice's first update; else ''."""
+        if not self.echo or c.prefix is not None:
+            return ""
+        c.prefix = self.tokenizer.decode(c.prompt)
+        if self.top is not None:
+            c.prompt_scores = [None, *(r.prompt_logprobs or [])]
+        return c.prefix
+
+    def logprobs(self, c: _Choice, stream: bool = False) -> dict[str, Any] | None:
+        """The `logprobs` object of choice `c`: all its tokens (the echoed prompt's first), or with `stream` those
+        not sent yet. None without logprobs."""
+        if self.top is None:
+            return None
+        end = len(c.text.tokens)
+        tokens, scores = c.text.tokens[max(c.sent, 0) : end], c.scores[max(c.sent, 0) : end]
+        if c.sent < 0 and c.prefix is not None:
+            tokens, scores = c.prompt + tokens, c.prompt_scores + scores
+        if stream:
+            c.sent = max(c.sent, end)
+            if not tokens:
+                return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, tokens, scores, self.top)
+        out = completion_logprobs(self.tokenizer, tokens, scores, self.top, c.offset if stream else 0)
+        if stream:
+            c.offset += sum(len(t) for t in out["tokens"])
+        return out
 
     def _continue(self, c: _Choice, reason: str) -> bool:
         """With ignore_eos, submit the rest of a choice that stopped at the model's eos; False if it ends here."""
@@ -376,7 +442,7 @@ class _Run:
 
 async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):
     _check_model(body.model, model_name)
-    run = _Run(engine, body, _choices(engine, tokenizer, body, prompts, chat))
+    run = _Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat), chat)
     run.start()
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
@@ -396,7 +462,7 @@ async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: l
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         events = run.events(next_update)
-        sse = _sse(events, header, chat, len(run.choices), usage if include_usage else None)
+        sse = _sse(events, header, chat, run, usage if include_usage else None)
         return StreamingResponse(sse, media_type="text/event-stream")
     try:
         async for _, _, reason in run.events(next_update):
@@ -404,39 +470,41 @@ async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: l
                 return _error(500, "the engine failed while running this request", "server_error")
     except _Disconnected:
         return Response(status_code=499)  # nobody reads it; the requests are cancelled and their slots freed
-    return _completion(header, chat, run.choices, usage())
+    return _completion(header, chat, run, usage())
 
 
-def _completion(header: dict, chat: bool, choices: list[_Choice], usage: dict) -> dict[str, Any]:
+def _completion(header: dict, chat: bool, run: _Run, usage: dict) -> dict[str, Any]:
     """The non-streaming response body (OpenAI's text_completion or chat.completion object)."""
     out = []
-    for c in choices:
-        body: dict[str, Any] = {"index": c.index, "finish_reason": c.reason, "logprobs": None}
+    for c in run.choices:
+        body: dict[str, Any] = {"index": c.index, "finish_reason": c.reason, "logprobs": run.logprobs(c)}
         if chat:
             body["message"] = {"role": "assistant", "content": c.text.text}
         else:
-            body["text"] = c.text.text
+            body["text"] = (c.prefix or "") + c.text.text
         out.append(body)
     kind = "chat.completion" if chat else "text_completion"
     return {**header, "object": kind, "choices": out, "usage": usage}
 
 
-async def _sse(events, header: dict, chat: bool, count: int, usage: Callable | None) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format. With stream_options.include_usage (`usage` given), the usage
-    comes on one extra chunk with no choices after the last choice has finished, and nowhere else (as OpenAI)."""
+async def _sse(events, header: dict, chat: bool, run: _Run, usage: Callable | None) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format; a chunk carries the logprobs of the tokens it completes. With
+    stream_options.include_usage (`usage` given), the usage comes on one extra chunk with no choices after the last
+    choice has finished, and nowhere else (as OpenAI)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra) -> str:
         return f"data: {json.dumps({**header, 'object': kind, 'choices': choices, **extra})}\n\n"
 
     def choice(i: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+        logprobs = None if first else run.logprobs(run.choices[i], stream=True)
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
-        return {"index": i, "text": text or "", "finish_reason": reason, "logprobs": None}
+            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        return {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
 
     if chat:
-        for i in range(count):
+        for i in range(len(run.choices)):
             yield event([choice(i, None, None, first=True)])
     async for i, text, reason in events:
         if reason == "error":

@@ -19,7 +19,7 @@ import numpy as np
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.state import LoopConfig, LoopState, RowInit
+from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, RowResult, Segment, StepPlan, StepResult
 from sharding.multihost import to_host
 
@@ -43,8 +43,10 @@ class Executor:
         self.drafter = drafter if not draft.plain else None
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.loop = LoopCache.of(target).loop(target, self.drafter)  # shared: another executor reuses its programs
-        self.per_row = LoopConfig(draft, None, tuple(stop_ids), prefill_chunk, prefill_chunk)
-        self.greedy = dataclasses.replace(self.per_row, sampling=Sampling())
+        # The per-row program scores tokens for the rows that want logprobs (skipped at run time when none does), so
+        # logprobs compile nothing extra; the static-greedy program has no logits and never runs such a row.
+        self.per_row = LoopConfig(draft, None, tuple(stop_ids), prefill_chunk, prefill_chunk, logprobs=True)
+        self.greedy = dataclasses.replace(self.per_row, sampling=Sampling(), logprobs=False)
         # Chains only: the static-greedy program leaves a placeholder in greedy rows' draft_q_BV, which a per-row
         # segment must replace first (`_fix_greedy_q`). Trees keep the root's logits there (tree acceptance reads
         # only the target), so there is nothing to fix.
@@ -57,7 +59,8 @@ class Executor:
         self.state, self._q_stale = self._empty(), False
 
     def _empty(self) -> LoopState:
-        return LoopState.empty(self.target, self.drafter, self.draft, self.max_batch, self.max_context, per_row=True)
+        target, drafter, B, S = self.target, self.drafter, self.max_batch, self.max_context
+        return LoopState.empty(target, drafter, self.draft, B, S, per_row=True, logprobs=True)
 
     def _params(self):
         return self.target.params, self.drafter.params if self.drafter is not None else None
@@ -68,7 +71,9 @@ class Executor:
         for row in plan.free:
             self.state = _free(self.state, np.int32(row))
         for a in plan.admit:
-            init = RowInit.of(a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context)
+            init = RowInit.of(
+                a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context, a.logprobs, a.min_new
+            )
             self.state = _admit(self.state, np.int32(a.row), init)
         for chunk in plan.prefill:
             self.state = self.loop.prefill_slot(
@@ -106,11 +111,32 @@ class Executor:
     def _read(self, plan: StepPlan) -> tuple[RowResult, ...]:
         if not plan.read:
             return ()
-        tokens_BS, end_B, done_B = to_host((self.state.tokens_BS, self.state.end_B, self.state.done_B))
-        return tuple(
-            RowResult(r.row, tuple(tokens_BS[r.row, r.start : end_B[r.row]].tolist()), bool(done_B[r.row]))
-            for r in plan.read
-        )
+        s = self.state
+        tokens_BS, end_B, done_B, wants_B = to_host((s.tokens_BS, s.end_B, s.done_B, s.wants_logprobs_B))
+        results = []
+        for r in plan.read:
+            end = int(end_B[r.row])
+            result = RowResult(r.row, tuple(tokens_BS[r.row, r.start : end].tolist()), bool(done_B[r.row]))
+            if wants_B[r.row]:  # token i's scores are at position i - 1
+                scores = jax.tree.leaves(to_host(_row_logprobs(s.logprobs, np.int32(r.row))))
+                prompt = _scores(scores, 0, int(to_host(s.prompt_len_B)[r.row]) - 1) if r.prompt else None
+                result = dataclasses.replace(
+                    result, logprobs=_scores(scores, r.start - 1, end - 1), prompt_logprobs=prompt
+                )
+            results.append(result)
+        return tuple(results)
+
+
+def _scores(scores: list[np.ndarray], start: int, end: int) -> tuple:
+    """The `TokenLogprob`s of positions [start, end) of one row's (token [S], top ids [S, N], top [S, N])."""
+    token_S, ids_SN, top_SN = scores
+    return tuple((float(token_S[p]), tuple(ids_SN[p].tolist()), tuple(top_SN[p].tolist())) for p in range(start, end))
+
+
+@jax.jit
+def _row_logprobs(logprobs: Logprobs, row) -> Logprobs:
+    """One row of the logprob buffers (what a read copies to the host, not the whole [B, S, N])."""
+    return jax.tree.map(lambda x: x[row], logprobs)
 
 
 _admit = jax.jit(LoopState.admit, donate_argnums=0)

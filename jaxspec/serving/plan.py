@@ -11,7 +11,8 @@ process runs the same plans in the same order. The executor runs a plan's parts 
 4. `segment`: `cycles` cycles of the draft-verify loop over rows [0, rows) and positions [0, positions) (compiled
    buckets), drafting `draft` (a `DraftShape`), as the static-greedy program (`greedy`) or the per-row one; None when
    no row is generating;
-5. `read`: for each `RowRead` (row, start), the row's tokens from `start` to its end and whether it is done.
+5. `read`: for each `RowRead` (row, start), the row's tokens from `start` to its end and whether it is done (and
+   their logprobs, for a row admitted with `logprobs`; with `RowRead.prompt`, its prompt's too).
 
 Later parts of the plan (a block table per row, a prefix hit's reused length) are further fields of the same kind.
 """
@@ -49,6 +50,8 @@ class RowAdmission:
     sampling: Sampling = Sampling()
     stop_ids: tuple[int, ...] = ()
     seed: int = 0  # the row's random key is jax.random.key(seed); drawn by the scheduler when the request has none
+    logprobs: bool = False  # the row's tokens (and prompt) are scored: segments run the per-row program
+    min_new: int = 0  # stop ids are masked until the row has this many new tokens (per-row program)
 
     def __post_init__(self):
         _int("RowAdmission", "row", self.row, 0)
@@ -60,6 +63,9 @@ class RowAdmission:
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"RowAdmission.stop_ids: expected at most {MAX_STOP_IDS}, got {len(self.stop_ids)}")
         _int("RowAdmission", "seed", self.seed, 0, 2**32 - 1)
+        _int("RowAdmission", "min_new", self.min_new, 0, self.max_new)
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"RowAdmission.logprobs: expected a bool, got {self.logprobs!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -69,7 +75,9 @@ class RowAdmission:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RowAdmission:
         sampling = Sampling(**d["sampling"])
-        return cls(d["row"], tuple(d["prompt"]), d["max_new"], sampling, tuple(d["stop_ids"]), d["seed"])
+        prompt, stop_ids = tuple(d["prompt"]), tuple(d["stop_ids"])
+        extra = d.get("logprobs", False), d.get("min_new", 0)
+        return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], *extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +122,12 @@ class Segment:
         return cls(d["rows"], d["positions"], DraftShape.from_dict(d["draft"]), d["greedy"], d["cycles"])
 
 
+@dataclasses.dataclass(frozen=True)
 class RowRead(RowPosition):
-    """Read back a generating row's tokens from position `start` (what its request has not been handed yet)."""
+    """Read back a generating row's tokens from position `start` (what its request has not been handed yet); for a
+    row that wants logprobs, their logprobs too, and with `prompt` its prompt's (echo: tokens 1.. of the prompt)."""
+
+    prompt: bool = False
 
 
 def _unique_rows(name: str, parts: tuple) -> None:
@@ -183,13 +195,28 @@ class StepPlan:
         return cls.from_dict(_load("StepPlan", data))
 
 
+# One token's scores: (its logprob, the top ids best first, their logprobs), from the target's raw logits.
+TokenLogprob = tuple[float, tuple[int, ...], tuple[float, ...]]
+
+
 @dataclasses.dataclass(frozen=True)
 class RowResult:
-    """A read row after the step: the tokens it gained from the read's start, and whether it is done."""
+    """A read row after the step: the tokens it gained from the read's start, and whether it is done; for a row that
+    wants logprobs, each token's (`logprobs`) and, when the read asked, the prompt's tokens 1.. (`prompt_logprobs`)."""
 
     row: int
     tokens: tuple[int, ...]
     done: bool
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RowResult:
+        def scores(x):
+            return None if x is None else tuple((lp, tuple(ids), tuple(lps)) for lp, ids, lps in x)
+
+        lps = scores(d.get("logprobs")), scores(d.get("prompt_logprobs"))
+        return cls(d["row"], tuple(d["tokens"]), d["done"], *lps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +257,7 @@ class StepResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepResult:
-        rows = tuple(RowResult(r["row"], tuple(r["tokens"]), r["done"]) for r in d["rows"])
+        rows = tuple(RowResult.from_dict(r) for r in d["rows"])
         c = d["counters"]
         counters = None if c is None else Counters(c["cycles"], *(tuple(c[k]) for k in _COUNTS))
         return cls(d["step"], rows, counters)

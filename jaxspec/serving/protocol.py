@@ -6,21 +6,18 @@ neutral value (`UNSUPPORTED`); any other value is a 400 that names the field and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS
 from jaxspec.serving.plan import MAX_STOP_IDS
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 
 # field -> (its neutral values, why another value is refused)
-_NEEDS_LOOP = "needs per-token state in the device loop, which this server does not have yet"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((None, False), f"token logprobs {_NEEDS_LOOP}"),
-    "top_logprobs": ((None, 0), f"token logprobs {_NEEDS_LOOP}"),
-    "echo": ((None, False), "echo (the prompt and its logprobs) is not supported"),
-    "min_tokens": ((None, 0), f"min_tokens (masking eos on the device) {_NEEDS_LOOP}"),
+    "echo": ((None, False), "echo is supported on /v1/completions only"),
     "presence_penalty": ((None, 0), "penalties are not supported"),
     "frequency_penalty": ((None, 0), "penalties are not supported"),
     "repetition_penalty": ((None, 1), "penalties are not supported"),
@@ -48,6 +45,8 @@ class GenerateParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    SERVED: ClassVar[frozenset[str]] = frozenset()  # UNSUPPORTED fields this endpoint serves
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -60,12 +59,12 @@ class GenerateParams(BaseModel):
     stream: bool = False
     stream_options: dict[Literal["include_usage"], bool] | None = None
     n: int = Field(1, ge=1)  # at most the engine's slots (checked with the engine)
+    min_tokens: int = Field(
+        0, ge=0
+    )  # as vLLM: stop ids cannot end a choice before this many tokens (at most the budget)
     user: str | None = None
     # Declared so that a neutral value passes and any other is refused by name (`refusal`).
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
-    min_tokens: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
@@ -84,6 +83,8 @@ class GenerateParams(BaseModel):
     def refusal(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this server does not implement, else None."""
         for name, (neutral, why) in UNSUPPORTED.items():
+            if name in self.SERVED:
+                continue
             value = getattr(self, name, None)
             # bool is kept apart from int: `logprobs: 0` asks for the sampled token's logprob, `false` for none
             if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
@@ -92,8 +93,18 @@ class GenerateParams(BaseModel):
 
 
 class CompletionRequest(GenerateParams):
+    SERVED: ClassVar[frozenset[str]] = frozenset({"echo"})
+
     # One prompt (text or token ids) or a list of them: one choice per prompt (times n), in order.
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing (checked in app)
+    echo: bool = False  # the prompt before the text (and its tokens' logprobs first, with logprobs)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's, and the N best alternatives
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives per token, or None when no logprobs are asked for."""
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (a bare string or token-id list is one prompt)."""
@@ -136,6 +147,13 @@ class ChatRequest(GenerateParams):
     function_call: Any = None
     response_format: Any = None
     parallel_tool_calls: bool | None = None  # meaningful only with tools
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives per token, or None when no logprobs are asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def budget(self) -> int | None:

@@ -9,7 +9,7 @@ requests. What it decides, in this order, for each step:
 3. prefill: every slot still prefilling gets ONE chunk of its prompt, so a long prompt never stalls the others;
 4. the segment, when a row is generating: the smallest compiled row bucket covering every generating row, the
    smallest context bucket covering what every occupied row can reach in it, and the program: static-greedy while
-   every occupied row is greedy (and the config allows it), else per-row;
+   every occupied row is greedy and wants no logprobs (and the config allows it), else per-row;
 5. reads: every generating row's tokens past what its request holds.
 `update` delivers new tokens (`on_update(request, new_tokens)`), frees the slot of a finished row, and returns a
 `StepReport` (who got how many tokens, who finished) from which the engine keeps its metrics.
@@ -31,7 +31,16 @@ from typing import Protocol
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling_params import Sampling
-from jaxspec.serving.plan import MAX_STOP_IDS, PrefillChunk, RowAdmission, RowRead, Segment, StepPlan, StepResult
+from jaxspec.serving.plan import (
+    MAX_STOP_IDS,
+    PrefillChunk,
+    RowAdmission,
+    RowRead,
+    Segment,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 
 log = logging.getLogger("jaxspec.serving")
 
@@ -73,8 +82,13 @@ class Request:
     seed: int | None = None  # None: a random seed
     stop_ids: tuple[int, ...] = ()  # extra stop token ids (the model's eos always stops)
     on_update: Callable[[Request, list[int]], None] | None = None
+    logprobs: bool = False  # score each generated token (`token_logprobs`)
+    echo: bool = False  # score the prompt's tokens 1.. too (`prompt_logprobs`, set before the first tokens arrive)
+    min_tokens: int = 0  # stop ids (eos and the request's) cannot end it before this many tokens
     # filled in by the scheduler
     tokens: list[int] = dataclasses.field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token (with logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -158,6 +172,8 @@ class Scheduler:
             raise ValueError(f"max_tokens: expected an integer >= 1, got {request.max_tokens!r}")
         if len(request.stop_ids) > MAX_STOP_IDS or any(not 0 <= t < vocab for t in request.stop_ids):
             raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
+        if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_tokens:
+            raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {request.min_tokens!r}")
         seed = request.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
             raise ValueError(f"seed: expected an integer in [0, 2**32), got {request.seed!r}")
@@ -211,7 +227,9 @@ class Scheduler:
         prefill = tuple(self._prefill_chunk(i) for i in prefilling)
         segment = self._segment(max(running) + 1) if running else None
         read = tuple(
-            RowRead(i, len(s.request.prompt) + len(s.request.tokens))
+            RowRead(
+                i, len(s.request.prompt) + len(s.request.tokens), s.request.echo and s.request.prompt_logprobs is None
+            )
             for i, s in enumerate(self.slots)
             if s is not None and s.next_chunk is None
         )
@@ -229,6 +247,10 @@ class Scheduler:
             if slot is None or slot.next_chunk is not None:
                 raise ValueError(f"StepResult.rows: row {row.row} holds no generating request")
             r, new = slot.request, list(row.tokens)
+            if row.prompt_logprobs is not None:
+                r.prompt_logprobs = list(row.prompt_logprobs)
+            if row.logprobs is not None:
+                r.token_logprobs.extend(row.logprobs)
             if new:
                 delivered.append(Delivery(r, len(new), r.last_token_at, now))
                 r.first_token_at = r.first_token_at or now
@@ -286,7 +308,9 @@ class Scheduler:
             row = self.slots.index(None)
             seed = request.seed if request.seed is not None else self.seeds()
             prompt, stop_ids = tuple(request.prompt), tuple(request.stop_ids)
-            admitted.append(RowAdmission(row, prompt, request.max_tokens, request.sampling, stop_ids, seed))
+            scored = request.logprobs or request.echo
+            budget, min_new = request.max_tokens, request.min_tokens
+            admitted.append(RowAdmission(row, prompt, budget, request.sampling, stop_ids, seed, scored, min_new))
             request.slot = row
             self.slots[row] = Slot(request, 0)
         return tuple(admitted)
@@ -303,7 +327,7 @@ class Scheduler:
         cfg = self.config
         b = next(b for b in cfg.buckets if b >= rows)
         s = next(s for s in cfg.contexts if s >= self._context_need(self.draft))
-        greedy = cfg.greedy_program and all(s is None or s.request.sampling.greedy for s in self.slots)
+        greedy = cfg.greedy_program and all(s is None or _greedy_program_serves(s.request) for s in self.slots)
         return Segment(b, s, self.draft, greedy, cfg.segment_cycles)
 
     def _context_need(self, draft: DraftShape) -> int:
@@ -332,6 +356,12 @@ class Scheduler:
     def _take_finished(self) -> tuple[Request, ...]:
         finished, self._finished = tuple(self._finished), []
         return finished
+
+
+def _greedy_program_serves(request: Request) -> bool:
+    """The static-greedy program can run this request's row: greedy, nothing to score and no stop ids to mask (it has
+    no logits)."""
+    return request.sampling.greedy and not (request.logprobs or request.echo or request.min_tokens)
 
 
 def _notify(request: Request, new: list[int]) -> None:

@@ -103,7 +103,8 @@ class FakeExecutor:
         for read in plan.read:
             row = self.rows[read.row]
             assert read.start <= len(row.tokens)
-            out.append(RowResult(read.row, tuple(row.tokens[read.start :]), row.done))
+            scores = () if read.prompt else None  # an echo read's prompt scores (none: the fake scores nothing)
+            out.append(RowResult(read.row, tuple(row.tokens[read.start :]), row.done, prompt_logprobs=scores))
         counters = Counters(self.cycle, (0,), (0,), (0, 0)) if plan.busy else None
         return StepResult(plan.step, tuple(out), counters)
 
@@ -324,6 +325,23 @@ def test_program_is_static_greedy_only_while_every_occupied_row_is_greedy():
     assert step(scheduler, executor)[0].segment.draft == DraftShape(3) and plan.segment.cycles == 2
 
 
+@pytest.mark.parametrize("asks", [dict(logprobs=True), dict(echo=True), dict(min_tokens=2)])
+def test_a_greedy_row_that_needs_logits_runs_the_per_row_program(asks):
+    """Logprobs, echo and min_tokens need the target's logits (the static-greedy program has an argmax head): the
+    admission carries them and every segment while the row is occupied runs the per-row program; the echo read
+    asks for the prompt's scores once, at the first read."""
+    scheduler, executor = make(), FakeExecutor(Shape())
+    r = Request([1] * 3, 6, seed=5, **asks)
+    scheduler.submit(r)
+    plan, _ = step(scheduler, executor)
+    a = plan.admit[0]
+    assert (a.logprobs, a.min_new) == (bool(r.logprobs or r.echo), r.min_tokens)
+    assert [x.prompt for x in plan.read] == [r.echo]
+    while not r.finished:
+        plan, _ = step(scheduler, executor)
+        assert not plan.segment.greedy and not any(x.prompt for x in plan.read)
+
+
 def test_seeds_are_drawn_by_the_scheduler_and_written_into_the_plan():
     drawn = iter([77, 78, 79])
     scheduler = make(seeds=lambda: next(drawn))
@@ -374,17 +392,22 @@ def test_plan_and_result_round_trip_through_bytes():
         free=(3, 1),
         admit=(
             RowAdmission(1, (5, 6, 7), 9, Sampling(0.1, top_k=40, top_p=0.95), (11, 12), 2**32 - 1),
-            RowAdmission(3, (8,), 1),
+            RowAdmission(3, (8,), 4, logprobs=True, min_new=2),
         ),
         prefill=(PrefillChunk(1, 0), PrefillChunk(2, 64)),
         segment=Segment(4, 256, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
-        read=(RowRead(0, 17), RowRead(2, 70)),
+        read=(RowRead(0, 17), RowRead(2, 70, prompt=True)),
     )
     again = StepPlan.from_bytes(plan.to_bytes())
     assert again == plan and again.admit[0].sampling.temperature == 0.1 and again.segment.draft.tree
     assert StepPlan.from_bytes(StepPlan(1).to_bytes()) == StepPlan(1) and not StepPlan(1).busy
     result = StepResult(
-        12, (RowResult(0, (4, 5), False), RowResult(2, (), True)), Counters(9, (3, 2), (2, 1), (1, 2, 6))
+        12,
+        (
+            RowResult(0, (4, 5), False),
+            RowResult(2, (7,), True, ((-0.5, (7, 3), (-0.5, -1.25)),), ((-2.0, (1, 9), (-1.0, -2.0)),)),
+        ),
+        Counters(9, (3, 2), (2, 1), (1, 2, 6)),
     )
     assert (
         StepResult.from_bytes(result.to_bytes()) == result

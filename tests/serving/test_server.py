@@ -176,11 +176,13 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
         ({"model": "other", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
         # fields this server does not implement: a 400 that names them (a neutral value passes, see below)
-        ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs"),
-        ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
-        ({"model": MODEL, "prompt": "x", "min_tokens": 4}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),  # a chat field
+        ({"model": MODEL, "messages": CHAT, "echo": True}, 400, "echo"),
+        ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"model": MODEL, "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-        ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
         ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"model": MODEL, "messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
@@ -331,6 +333,11 @@ def test_stop_token_ids_end_the_choice_at_that_token(client, pair, prompts, refe
     )
     assert (out.choices[0].text, out.usage.completion_tokens) == (text_of(pair, ref[:k]), k + 1)
     assert out.choices[0].finish_reason == "stop"
+    # min_tokens masks it on the device until k + 3 tokens exist (the same tokens before it; another one at k)
+    extra = {"stop_token_ids": [ref[k]], "min_tokens": k + 3}
+    out = client.completions.create(model=MODEL, prompt=prompts[5], max_tokens=24, temperature=0, extra_body=extra)
+    assert out.usage.completion_tokens >= k + 3 and out.choices[0].text.startswith(text_of(pair, ref[:k]))
+    assert out.choices[0].text != text_of(pair, ref)[: len(out.choices[0].text)]
 
 
 def test_endpoints_models_tokenize_version_and_head(client, server, pair):
@@ -355,6 +362,51 @@ def test_endpoints_models_tokenize_version_and_head(client, server, pair):
     bad.append(("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400))
     for path, body, status in bad:
         assert httpx.post(base + path, json=body).status_code == status, (path, body)
+
+
+def test_logprobs_and_echo_in_openai_shapes(client, pair, prompts, reference):
+    """Completions `logprobs: N` with `echo` (the prompt first, its first token unscored), `max_tokens: 0` scoring a
+    prompt, chat `logprobs` + `top_logprobs`, and streams whose chunks' logprobs join to the answer's. The values
+    themselves are checked against a full forward in tests/serving/test_logprobs.py."""
+    tokenizer = pair[2]
+    prompt, ref = prompts[4], reference(prompts[4], 6)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3, echo=True)
+    out = client.completions.create(**kw)
+    choice, n = out.choices[0], len(prompt)
+    lp = choice.logprobs
+    assert choice.text == tokenizer.decode(prompt) + text_of(pair, ref) and out.usage.completion_tokens == len(ref)
+    assert lp.tokens == [tokenizer.decode([t]) for t in prompt + ref]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert len(top) in (3, 4) and token in top and logprob <= 0  # the chosen token is always listed
+    assert all(lp.token_logprobs[n + i] == max(lp.top_logprobs[n + i].values()) for i in range(len(ref)))  # greedy
+
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].text == tokenizer.decode(prompt) and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
+
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    joined = [x for c in chunks if c.logprobs for x in zip(c.logprobs.tokens, c.logprobs.text_offset, strict=True)]
+    assert "".join(c.text for c in chunks) == choice.text and joined == list(
+        zip(lp.tokens, lp.text_offset, strict=True)
+    )
+
+    chat_kw = dict(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(**chat_kw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content).startswith(chat.choices[0].message.content)
+    for c in content:
+        assert bytes(c.bytes) == c.token.encode() and len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy
+    streamed = [
+        x
+        for c in client.chat.completions.create(**chat_kw, stream=True)
+        if c.choices
+        for x in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])
+    ]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
 
 def test_sigterm_drains_the_running_stream(server, pair, reference):
