@@ -237,23 +237,22 @@ class Drafter:
             raise ValueError(f"positions: expected shape {tokens.shape}, got {pos.shape}")
         return _jit_forward(self, self.params, tokens, jnp.asarray(hidden), pos, cache, first_step)
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """Zeroed cache in the drafter dtype: Llama (k, v), each [B, S, kv_heads, head_dim]; MLA (latent,)
-        [B, S, kv_lora_rank + qk_rope_head_dim]."""
-        cfg, specs = self.config, self.cache_specs()
+    def cache_shape(self, batch: int, slots: int) -> tuple[int, ...]:
+        """The shape of each cache array (the cache's one declaration, with `cache_specs`): Llama (k, v), each
+        [B, S, kv_heads, head_dim]; MLA (latent,) [B, S, kv_lora_rank + qk_rope_head_dim]."""
+        cfg = self.config
         if cfg.mla is not None:
-            shape = (batch, max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
-        else:
-            shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        return tuple(zeros(shape, self.dtype, NamedSharding(self.mesh, s)) for s in specs)
+            return (batch, slots, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+        return (batch, slots, cfg.num_key_value_heads, cfg.head_dim)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """Zeroed cache in the drafter dtype (`cache_shape`), made in its shards."""
+        shape = self.cache_shape(batch, max_len)
+        return tuple(zeros(shape, self.dtype, NamedSharding(self.mesh, s)) for s in self.cache_specs())
 
     def init_scratch(self, batch: int, entries: int) -> KVCache:
         """Zeroed scratch entries for `apply_tree`: a cache of `entries` slots (traceable; sharded as the cache)."""
-        cfg = self.config
-        if cfg.mla is not None:
-            shape = (batch, entries, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
-        else:
-            shape = (batch, entries, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.cache_shape(batch, entries)
         return tuple(jnp.zeros(shape, self.dtype, out_sharding=NamedSharding(self.mesh, s)) for s in self.cache_specs())
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:

@@ -2,12 +2,13 @@
 plain decoding of the same fp8-cache target, request by request."""
 
 from jaxspec import generate
+from jaxspec.decoding import DraftShape
 from jaxspec.serving.engine import Engine, EngineConfig, Request
 
 CONFIG = EngineConfig(
     max_batch=2,
     max_context=64,
-    num_steps=3,
+    draft=DraftShape(3),
     prefill_chunk=16,
     segment_cycles=2,
     max_queue=4,
