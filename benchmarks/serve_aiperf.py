@@ -1,5 +1,6 @@
 """`jaxspec serve` measured with standard clients, at their defaults: aiperf's chat and completions profiles and
-lm-eval's `local-completions` (a generate_until task), against the bundled pair in a small configuration.
+lm-eval's `local-completions` (a generate_until and a multiple_choice task), against the bundled pair in a small
+configuration.
 
     python benchmarks/serve_aiperf.py --aiperf BENCH_VENV/bin/aiperf --lm-eval BENCH_VENV/bin/lm_eval
 
@@ -9,7 +10,7 @@ request fields (chat: `max_completion_tokens`, streaming with `stream_options.in
 `--extra-inputs ignore_eos:true` so every request yields its full output length, at concurrency 1 and 4, greedy
 (temperature 0) and sampled (temperature 0.8, top_p 0.95). The server's mean accepted length of each run comes
 from /metrics (accepted drafts / generating row-cycles + 1, the counters' change over the run). Writes
-benchmarks/results/serve_aiperf.md (and the raw exports under --work).
+benchmarks/results/serve_aiperf.md and .json (and the raw exports under --work).
 """
 
 from __future__ import annotations
