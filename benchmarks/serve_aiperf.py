@@ -1,5 +1,6 @@
 """`jaxspec serve` measured with standard clients, at their defaults: aiperf's chat and completions profiles and
-lm-eval's `local-completions` (a generate_until task), against the bundled pair in a small configuration.
+lm-eval's `local-completions` (a generate_until and a multiple_choice task), against the bundled pair in a small
+configuration.
 
     python benchmarks/serve_aiperf.py --aiperf BENCH_VENV/bin/aiperf --lm-eval BENCH_VENV/bin/lm_eval
 
@@ -9,7 +10,7 @@ request fields (chat: `max_completion_tokens`, streaming with `stream_options.in
 `--extra-inputs ignore_eos:true` so every request yields its full output length, at concurrency 1 and 4, greedy
 (temperature 0) and sampled (temperature 0.8, top_p 0.95). The server's mean accepted length of each run comes
 from /metrics (accepted drafts / generating row-cycles + 1, the counters' change over the run). Writes
-benchmarks/results/serve_aiperf.md (and the raw exports under --work).
+benchmarks/results/serve_aiperf.md and .json (and the raw exports under --work).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def aiperf_run(aiperf: str, base: str, name: str, endpoint: str, concurrency: in
     for item in ["ignore_eos:true", *extra]:
         cmd += ["--extra-inputs", item]
     before = counters(base)
-    subprocess.run(cmd, check=True, cwd=work, stdout=(work / f"{name}.log").open("w"), stderr=subprocess.STDOUT)
+    done = subprocess.run(cmd, cwd=work, stdout=(work / f"{name}.log").open("w"), stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"serve_aiperf: aiperf exited {done.returncode}; see {work / name}.log and the server log")
     after = counters(base)
     rows = after[1] - before[1]
     accepted_length = 1 + (after[0] - before[0]) / rows if rows else float("nan")
@@ -84,22 +87,41 @@ def aiperf_run(aiperf: str, base: str, name: str, endpoint: str, concurrency: in
     return cmd, summary, accepted_length
 
 
+def portable(cmd: list[str], work: Path) -> list[str]:
+    """`cmd` as the report shows it: executables by name, paths relative to the repository, the raw exports as WORK."""
+    root, work = f"{ROOT}/", str(work)
+    out = [Path(cmd[0]).name if "/" in cmd[0] else cmd[0]]
+    for word in cmd[1:]:
+        if "/bin/" in word and Path(word).name in ("aiperf", "lm_eval"):
+            word = Path(word).name
+        out.append(word.replace(work, "WORK").replace(root, ""))
+    return out
+
+
+def fmt_load(load) -> str:
+    return "(" + ", ".join(f"{x:.1f}" for x in load) + ")"
+
+
 def metric(summary: dict, name: str, stat: str = "avg") -> float:
     value = summary.get(name) or summary.get("records", {}).get(name) or {}
     return float(value.get(stat, "nan")) if isinstance(value, dict) else float("nan")
 
 
+LM_EVAL_TASKS = ("jaxspec_py_complete", "jaxspec_py_choice")
+
+
 def lm_eval_run(lm_eval: str, base: str, work: Path) -> tuple[list[str], dict]:
-    """lm-eval local-completions (tokenized_requests=True, its default) on the local generate_until task."""
+    """lm-eval local-completions (tokenized_requests=True, its default) on the local generate_until and
+    multiple_choice tasks; returns the command and each task's scores."""
     model_args = f"model={MODEL},base_url={base}/v1/completions,tokenizer={TOKENIZER},num_concurrent=1,max_retries=1"
     cmd = [lm_eval, "--model", "local-completions", "--model_args", model_args, "--batch_size", "4"]
-    cmd += ["--tasks", "jaxspec_py_complete", "--include_path", str(ROOT / "benchmarks" / "lm_eval_tasks")]
+    cmd += ["--tasks", ",".join(LM_EVAL_TASKS), "--include_path", str(ROOT / "benchmarks" / "lm_eval_tasks")]
     cmd += ["--output_path", str(work / "lm_eval"), "--log_samples"]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     log = (work / "lm_eval.log").open("w")
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     results = json.loads(max((work / "lm_eval").rglob("results_*.json"), key=os.path.getmtime).read_text())
-    return cmd, results["results"]["jaxspec_py_complete"]
+    return cmd, {task: results["results"][task] for task in LM_EVAL_TASKS}
 
 
 def main() -> int:
@@ -116,6 +138,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    load = {"start": os.getloadavg()}
     proc, startup = start_server(port, args.work / "server.log")
     try:
         runs = [
@@ -132,19 +155,48 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=120)
-    args.out.write_text(report(args, startup, results, lm))
+    load["end"] = os.getloadavg()
+    args.out.write_text(report(args, startup, results, lm, load))
+    args.out.with_suffix(".json").write_text(json.dumps(raw(args, startup, results, lm, load), indent=2) + "\n")
     print(args.out.read_text())
     return 0
 
 
-def report(args, startup: float, results, lm) -> str:
+def raw(args, startup: float, results, lm, load: dict) -> dict:
+    """The figures of the report, and each run's aiperf summary as aiperf exported it."""
+    return {
+        "server": ["jaxspec", "serve", *SERVER_FLAGS],
+        "seconds_to_health": round(startup, 1),
+        "loadavg": {k: [round(x, 2) for x in v] for k, v in load.items()},
+        "requests": args.requests,
+        "isl": args.isl,
+        "osl": args.osl,
+        "aiperf": [
+            {
+                "run": name,
+                "concurrency": c,
+                "extra_inputs": extra,
+                "command": portable(cmd, args.work),
+                "mean_accepted_length": a,
+                "summary": {k: v for k, v in s.items() if isinstance(v, dict) and "avg" in v},
+            }
+            for name, c, extra, cmd, s, a in results
+        ],
+        "lm_eval": None if lm is None else {"command": portable(lm[0], args.work), "results": lm[1]},
+    }
+
+
+def report(args, startup: float, results, lm, load: dict) -> str:
     server = shlex.join(["jaxspec", "serve", *SERVER_FLAGS])
+    invocation = shlex.join(portable(["python", "benchmarks/serve_aiperf.py", *sys.argv[1:]], args.work))
     lines = [
         "# jaxspec serve under aiperf and lm-eval (bundled pair)",
         "",
-        f"Written by `{shlex.join(['python', 'benchmarks/serve_aiperf.py', *sys.argv[1:]])}` (aiperf and lm-eval "
+        f"Written by `{invocation}` (aiperf and lm-eval "
         "in their own venv). CPU only, the project's shared "
-        f"2-core machine (other work ran beside it: compare rows of this table, not machines). Server: `{server}` "
+        f"{os.cpu_count()}-core machine (other work ran beside it: load average (1, 5, 15 min) "
+        f"{fmt_load(load['start'])} at the start, {fmt_load(load['end'])} at the end; the timings are noisy, "
+        f"compare rows of this table, not machines). Server: `{server}` "
         f"(k = the bundled tuning's), ready (/health 200) {startup:.0f} s after launch. Each run: {args.requests} "
         f"requests, {args.isl} prompt tokens, {args.osl} output tokens (`--osl`, sent as aiperf's default field: "
         "`max_completion_tokens` for chat, `max_tokens` for completions), streaming, `--extra-inputs "
@@ -171,22 +223,24 @@ def report(args, startup: float, results, lm) -> str:
         endpoint = name.split("_")[0]
         if endpoint not in seen:
             seen.add(endpoint)
-            lines.append(shlex.join(cmd))
+            lines.append(shlex.join(portable(cmd, args.work)))
     lines += ["```", ""]
     if lm is not None:
         cmd, scores = lm
-        shown = {k: v for k, v in scores.items() if isinstance(v, int | float)}
+        shown = {t: {k: v for k, v in r.items() if isinstance(v, int | float)} for t, r in scores.items()}
         lines += [
             "lm-eval `local-completions` (its default `tokenized_requests=True`: prompts go as token-id lists, "
-            "4 per request) on the local generate_until task `benchmarks/lm_eval_tasks/jaxspec_py_complete.yaml` "
-            f"(12 one-line Python completions): {json.dumps(shown)}.",
+            "4 per request) on two local tasks under `benchmarks/lm_eval_tasks/`: `jaxspec_py_complete` "
+            "(generate_until, 12 one-line Python completions, exact match) and `jaxspec_py_choice` (multiple_choice, "
+            "8 questions of 3 continuations, scored by loglikelihood through `echo` + `logprobs`):",
             "",
-            "```bash",
-            shlex.join(cmd),
+            "```json",
+            json.dumps(shown, indent=2),
             "```",
             "",
-            "A multiple_choice (loglikelihood) task needs `echo` and `logprobs`, which this server refuses with a 400 "
-            "naming the field until the device loop returns token logprobs (issue 32, item 3).",
+            "```bash",
+            shlex.join(portable(cmd, args.work)),
+            "```",
             "",
         ]
     return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Seconds from launching `jaxspec serve` until /health answers 200, for the defaults (bundled pair) and for a
+small configuration. Warm-up compiles every program before /health answers, so this is what a new user waits.
+
+    python benchmarks/serve_startup.py
+
+Writes benchmarks/results/serve_startup.{json,md}, with the load average before and after each launch (the
+project's machine is shared, so the figures are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {
+    "defaults": [],
+    "small": ["--max-batch", "4", "--batch-buckets", "1,4", "--max-context", "256"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_to_health(flags: list[str], log: Path, limit: float) -> float:
+    """Launch `jaxspec serve flags`, wait for /health 200, stop it; the seconds it took."""
+    port = free_port()
+    argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), *flags]
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+    try:
+        while time.monotonic() - start < limit:
+            if proc.poll() is not None:
+                raise SystemExit(f"serve_startup: the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"serve_startup: no /health 200 within {limit:.0f} s; log: {log}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help="which of %(default)s to launch")
+    p.add_argument("--limit", type=float, default=1800.0, help="seconds to wait for /health (%(default)s)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_startup.json")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="serve_startup-"))
+    runs = []
+    for name in args.configs.split(","):
+        flags = CONFIGS[name]
+        load_before = os.getloadavg()
+        seconds = time_to_health(flags, work / f"{name}.log", args.limit)
+        runs.append(
+            {
+                "config": name,
+                "command": shlex.join(["jaxspec", "serve", *flags]),
+                "seconds_to_health": round(seconds, 1),
+                "loadavg_before": [round(x, 2) for x in load_before],
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            }
+        )
+        print(json.dumps(runs[-1]), flush=True)
+    result = {"cpus": os.cpu_count(), "runs": runs}
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(report(result))
+    return 0
+
+
+def report(result: dict) -> str:
+    lines = [
+        "# `jaxspec serve` start-up: seconds until /health answers 200",
+        "",
+        "Written by `python benchmarks/serve_startup.py`. CPU only, the project's shared "
+        f"{result['cpus']}-core machine with other jobs running beside it: the load averages (1, 5, 15 min, "
+        "`os.getloadavg()`) say how busy it was, and the times are noisy.",
+        "",
+        "| configuration | command | seconds to /health | load before | load after |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["runs"]:
+        load = [", ".join(f"{x:.1f}" for x in r[k]) for k in ("loadavg_before", "loadavg_after")]
+        lines.append(f"| {r['config']} | `{r['command']}` | {r['seconds_to_health']:.0f} | {load[0]} | {load[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
