@@ -158,7 +158,7 @@ def test_one_process_helpers_are_device_put_and_asarray():
         (["--coordinator", "h", "--num-processes", "2", "--process-id", "0", "generate"], "expected HOST:PORT"),
         (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2", "predict"], "expected 0..1"),
         (["--distributed", "--process-id", "0", "generate"], "--distributed reads the cluster from the environment"),
-        (["--distributed", "train-drafter"], "runs as one process only"),
+        (["--distributed", "train-drafter", "--target", "t", "--out", "o"], "runs as one process only"),
         (["--distributed", "tune", "--presets", "default", "--output", "x"], "--presets re-runs tune"),
     ],
 )
