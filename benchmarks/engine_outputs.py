@@ -7,8 +7,8 @@ settings), submitted at once, driven by `Engine.step`, for a chain (k = 3), plai
 two checkouts and compare the lines (it speaks the EngineConfig of before and after the draft-shape change):
 
     python benchmarks/engine_outputs.py > after.jsonl
-    git worktree add /tmp/before <commit> && cp benchmarks/engine_outputs.py /tmp/before/benchmarks/
-    (cd /tmp/before && PYTHONPATH=$PWD python benchmarks/engine_outputs.py) > before.jsonl
+    git worktree add ../before <commit> && cp benchmarks/engine_outputs.py ../before/benchmarks/
+    (cd ../before && PYTHONPATH=$PWD python benchmarks/engine_outputs.py) > before.jsonl
     diff before.jsonl after.jsonl
 """
 
