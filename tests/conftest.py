@@ -29,3 +29,28 @@ def hf_checkpoint(tmp_path_factory):
         return path, save_hf_model(kind, path)
 
     return build
+
+
+# Every compiled CPU program keeps its machine code in memory mappings of its own, and one pytest process compiles
+# thousands of programs: measured on this suite, the process passed 56,000 mappings, near Linux's default
+# vm.max_map_count (65,530), where the next compile segfaults inside XLA. So after a module, when the mappings pass
+# MAX_MAPPINGS, JAX's compiled programs are dropped (the later modules recompile what they need).
+MAX_MAPPINGS = 30_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    if _mappings() > MAX_MAPPINGS:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()

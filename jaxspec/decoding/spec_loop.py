@@ -391,11 +391,16 @@ def mask_stops(cfg: LoopConfig, s: LoopState, logits_BTV, generated_BT):
     if s.min_new_B is None or _greedy(cfg):
         return logits_BTV
     B, V = logits_BTV.shape[0], logits_BTV.shape[-1]
-    stop_BV = jnp.zeros((B, V), bool).at[:, jnp.asarray(cfg.stop_ids or (V,))].set(True, mode="drop")
-    row_ids = jnp.where(s.stop_ids >= 0, s.stop_ids, V)  # -1 (none) out of range: dropped
-    stop_BV = stop_BV.at[jnp.arange(B)[:, None], row_ids].set(True, mode="drop")
     early_BT = generated_BT < s.min_new_B[:, None]
-    return jnp.where(early_BT[:, :, None] & stop_BV[:, None, :], -jnp.inf, logits_BTV)
+
+    def mask(logits_BTV):
+        stop_BV = jnp.zeros((B, V), bool).at[:, jnp.asarray(cfg.stop_ids or (V,))].set(True, mode="drop")
+        row_ids = jnp.where(s.stop_ids >= 0, s.stop_ids, V)  # -1 (none) out of range: dropped
+        stop_BV = stop_BV.at[jnp.arange(B)[:, None], row_ids].set(True, mode="drop")
+        return jnp.where(early_BT[:, :, None] & stop_BV[:, None, :], -jnp.inf, logits_BTV)
+
+    # Skipped at run time while no row is below its min_tokens (the common case: the mask touches [B, T, V]).
+    return jax.lax.cond(jnp.any(early_BT), mask, lambda x: x, logits_BTV)
 
 
 def score_tokens(logits_BTV, tokens_BT) -> Logprobs:

@@ -112,14 +112,15 @@ class Executor:
         if not plan.read:
             return ()
         s = self.state
-        tokens_BS, end_B, done_B, wants_B = to_host((s.tokens_BS, s.end_B, s.done_B, s.wants_logprobs_B))
+        host = (s.tokens_BS, s.prompt_len_B, s.end_B, s.done_B, s.wants_logprobs_B)
+        tokens_BS, prompt_len_B, end_B, done_B, wants_B = to_host(host)  # one read per step, not per row
         results = []
         for r in plan.read:
             end = int(end_B[r.row])
             result = RowResult(r.row, tuple(tokens_BS[r.row, r.start : end].tolist()), bool(done_B[r.row]))
             if wants_B[r.row]:  # token i's scores are at position i - 1
                 scores = jax.tree.leaves(to_host(_row_logprobs(s.logprobs, np.int32(r.row))))
-                prompt = _scores(scores, 0, int(to_host(s.prompt_len_B)[r.row]) - 1) if r.prompt else None
+                prompt = _scores(scores, 0, int(prompt_len_B[r.row]) - 1) if r.prompt else None
                 result = dataclasses.replace(
                     result, logprobs=_scores(scores, r.start - 1, end - 1), prompt_logprobs=prompt
                 )

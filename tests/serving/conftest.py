@@ -1,7 +1,10 @@
 """Shared by the serving tests: the bundled pair (loaded once) and single-request `jaxspec.generate` references."""
 
 import functools
+import socket
+import time
 
+import httpx
 import pytest
 
 from jaxspec import bundled, generate
@@ -52,3 +55,24 @@ def warm_engine(pair, config):
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
     engine.warmup(lambda _: None)
     return engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, procs: list, logs: list, timeout: float = 600) -> None:
+    """Until `base`/health answers 200; fails (with the log's tail) when a process exits or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
+            assert p.poll() is None, f"process {i} exited ({p.returncode}):\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "not ready:\n" + "\n".join(log.read_text()[-3000:] for log in logs)
+        time.sleep(0.5)

@@ -6,29 +6,20 @@ process 0 drains it and ends both processes."""
 import concurrent.futures
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from jaxspec import bundled, generate
 from sharding.mesh import make_mesh
-from tests.serving.conftest import NUM_STEPS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serving.conftest import NUM_STEPS, free_port, wait_healthy
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    coordinator, port = _free_port(), _free_port()
+    coordinator, port = free_port(), free_port()
     logs = tmp_path_factory.mktemp("multihost_serve")
     procs = []
     for i in range(2):
@@ -39,18 +30,8 @@ def servers(tmp_path_factory):
         with open(logs / f"process{i}.log", "w") as out:
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()))
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
     try:
-        while True:
-            for i, p in enumerate(procs):
-                assert p.poll() is None, f"process {i} exited ({p.returncode}):\n{_tail(logs, i)}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"not ready:\n{_tail(logs, 0)}\n{_tail(logs, 1)}"
-            time.sleep(0.5)
+        wait_healthy(base, procs, [logs / f"process{i}.log" for i in range(2)])
         yield procs, base, logs
     finally:
         for p in procs:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import NUM_STEPS
+from tests.serving.conftest import NUM_STEPS, free_port, wait_healthy
 from tests.serving.test_text import expected
 
 MODEL = "kimi-py-tiny"
@@ -27,9 +26,7 @@ CONTEXT = 1024  # room for a request that runs for seconds (the disconnect test)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), "--num-steps", str(NUM_STEPS)]
     argv += ["--max-batch", str(SLOTS), "--batch-buckets", str(SLOTS), "--max-context", str(CONTEXT)]
@@ -38,16 +35,7 @@ def server(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        assert proc.poll() is None, f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"server not ready:\n{log.read_text()[-3000:]}"
-        time.sleep(0.5)
+    wait_healthy(base, [proc], [log])
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()
