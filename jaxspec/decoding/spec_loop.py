@@ -49,7 +49,7 @@ class SpecLoop:
         self.prefill_slot = jax.jit(self._prefill_slot_impl, static_argnums=0, donate_argnums=3)
 
     def _uses_drafter(self, cfg: LoopConfig) -> bool:
-        return self.drafter is not None and cfg.num_steps > 0
+        return self.drafter is not None and (cfg.num_steps > 0 or cfg.track_drafter)
 
     def _target_step(self, tparams, tokens_BT, pos_BT, cache, cfg: LoopConfig):
         """Target forward; returns (ids [B,T] if greedy else logits [B,T,V], cache, captured [X,B,T,D])."""
@@ -165,7 +165,7 @@ class SpecLoop:
 
         # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
         draft_B, q_BV, hidden_BD = s.draft_B, s.draft_q_BV, s.hidden_BD
-        if J:
+        if self._uses_drafter(cfg):  # J = 0 too when tracking: the next draft after the one new token
             new_draft_B, new_q_BV, h2_BD, dcache = draft_extend(
                 self.drafter,
                 dparams,
@@ -432,14 +432,16 @@ def write_logprobs(cfg: LoopConfig, s: LoopState, logits_BTV, tokens_BT, start_B
 
 def count_acceptance(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:
     """Step 6: per-position reached/accepted counters and the accepted-length histogram, over active rows (the
-    LoopState fields they replace)."""
-    idx_J = jnp.arange(J, dtype=jnp.int32)
+    LoopState fields they replace). The counters may be deeper than J (a state built for a deeper draft): positions
+    past J are not verified by this cycle, so they count nothing."""
+    idx_J = jnp.arange(s.reached_J.shape[0], dtype=jnp.int32)
     count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)
+    drafted_J = idx_J < J
     return {
         "cycles": s.cycles + 1,
-        "reached_J": s.reached_J + count(accepted_B[:, None] >= idx_J),
+        "reached_J": s.reached_J + count((accepted_B[:, None] >= idx_J) & drafted_J),
         "accepted_J": s.accepted_J + count(accepted_B[:, None] > idx_J),
-        "accept_hist_T": s.accept_hist_T + count(accepted_B[:, None] == jnp.arange(J + 1)),
+        "accept_hist_T": s.accept_hist_T + count(accepted_B[:, None] == jnp.arange(s.accept_hist_T.shape[0])),
     }
 
 

@@ -36,6 +36,10 @@ class LoopConfig:
     # Write each scored position's raw logprobs into LoopState.logprobs for the rows that ask (wants_logprobs_B):
     # needs per-row sampling (the static-greedy program's head is an argmax, with no logits to score).
     logprobs: bool = False
+    # Plain cycles (num_steps 0) with a drafter: each still runs the drafter's draft-extend over its new token, so the
+    # drafter's cache, next draft (and q) and hidden state stay current and a drafting program can follow on the same
+    # state (adaptive serving switches shapes between segments).
+    track_drafter: bool = False
 
     def __post_init__(self):
         if not isinstance(self.draft, DraftShape):
@@ -86,6 +90,7 @@ class LoopState:
     hidden_BD: jax.Array = struct.field(**_axes(0))  # drafter h2 at the last processed position
     key: jax.Array = struct.field(**_axes(0))  # one key (static sampling) or one per row [B] (per-row sampling)
     cycles: jax.Array = struct.field(**_axes(None))  # int32 scalar
+    # The counters are sized by the deepest draft the state was built for; a shallower program counts its positions.
     reached_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often draft position j+1 was verified
     accepted_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often it was accepted
     accept_hist_T: jax.Array = struct.field(**_axes(None))  # int32 [J+1]: cycles that accepted exactly t drafts

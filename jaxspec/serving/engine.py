@@ -23,6 +23,7 @@ from typing import Any
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving import fanout
+from jaxspec.serving.adaptive import DraftPolicy, measured_tokens_per_second
 from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler, StepReport
@@ -46,7 +47,10 @@ class EngineConfig:
     max_context: int = _setting(
         1024, "positions per slot: prompt + max_tokens + the draft's lookahead + 1 (k + 2 for a chain of k)"
     )
-    draft: DraftShape = DraftShape(3)  # what every cycle drafts (DraftShape(0): plain decoding)
+    draft: DraftShape = DraftShape(3)  # what every cycle drafts (DraftShape(0): plain decoding); adaptive: the deepest
+    # Per segment, plain decoding or the chain `draft`, whichever the scheduler's DraftPolicy predicts faster for the
+    # rows generating then (`jaxspec serve --num-steps auto`); both compile, and run on one loop state.
+    adaptive: bool = False
     prefill_chunk: int = _setting(64, "prompt tokens per prefill call")
     segment_cycles: int = _setting(4, "cycles per segment (admission and streaming happen between segments)")
     max_queue: int = _setting(64, "requests waiting for a slot before new ones get 429")
@@ -72,6 +76,11 @@ class EngineConfig:
         return tuple(sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)}))
 
     @property
+    def shapes(self) -> tuple[DraftShape, ...]:
+        """The draft shapes segments run (compiled each)."""
+        return (DraftShape(0), self.draft) if self.adaptive and not self.draft.plain else (self.draft,)
+
+    @property
     def contexts(self) -> tuple[int, ...]:
         if self.context_buckets:
             return tuple(sorted(set(self.context_buckets) | {self.max_context}))
@@ -84,6 +93,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}: expected an integer >= 1, got {value!r}")
         if not isinstance(self.draft, DraftShape):
             raise ValueError(f"EngineConfig.draft: expected a DraftShape, got {self.draft!r}")
+        if self.adaptive and self.draft.tree:
+            raise ValueError(
+                f"EngineConfig.adaptive: switches between plain decoding and a chain, got {self.draft.label}"
+            )
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue: expected an integer >= 0, got {self.max_queue!r}")
         if any(not isinstance(b, int) or not 1 <= b <= self.max_batch for b in self.batch_buckets):
@@ -124,7 +137,9 @@ class Engine:
             )
         self.target, self.config, self.metrics = target, config, metrics
         self.stop_ids = tuple(sorted(set(target.config.stop_token_ids) | set(stop_ids)))
-        self.scheduler = Scheduler(config, draft, vocab_size=target.vocab_size, stop_ids=self.stop_ids)
+        self.scheduler = Scheduler(
+            config, draft, vocab_size=target.vocab_size, stop_ids=self.stop_ids, shapes=config.shapes
+        )
         self.executor = Executor(
             target,
             drafter,
@@ -133,6 +148,7 @@ class Engine:
             max_context=config.max_context,
             prefill_chunk=config.prefill_chunk,
             stop_ids=self.stop_ids,
+            shapes=config.shapes,
         )
         self.channel = channel
         self._thread: threading.Thread | None = None
@@ -188,7 +204,7 @@ class Engine:
         result = self._run(plan)
         self._observe(self.scheduler.update(result))
         if result.counters is not None:
-            self._observe_counters(result.counters)
+            self._observe_counters(result.counters, plan.segment, result.segment_seconds)
         return plan.busy
 
     def run_until_idle(self) -> None:
@@ -204,7 +220,7 @@ class Engine:
         metrics, self.metrics = self.metrics, None  # the dummy requests are not traffic
         on_progress(
             f"compiling: {cfg.max_batch} slots x {cfg.max_context} positions, prefill chunk {cfg.prefill_chunk}, "
-            f"draft {draft.label}, {cfg.segment_cycles} cycles per segment"
+            f"drafts {[shape.label for shape in cfg.shapes]}, {cfg.segment_cycles} cycles per segment"
         )
         self.submit(Request([1] * 3, 2 + draft.num_steps, Sampling(1.0), seed=0))
         self.step()  # admit + prefill + segment
@@ -213,13 +229,14 @@ class Engine:
         programs = (True, False) if cfg.greedy_program else (False,)
         for b in cfg.buckets:
             for s in cfg.contexts:
-                for greedy in programs:
-                    # The dummy request finishes in its first cycles; then these run only to compile. A plan of its
-                    # own (step 0: not the scheduler's), so the other processes of a server compile them too.
-                    self._run(StepPlan(0, segment=Segment(b, s, draft, greedy, cfg.segment_cycles)))
+                for shape in cfg.shapes:
+                    for greedy in programs:
+                        # The dummy request finishes in its first cycles; then these run only to compile. A plan of
+                        # its own (step 0: not the scheduler's), so the other processes of a server compile them too.
+                        self._run(StepPlan(0, segment=Segment(b, s, shape, greedy, cfg.segment_cycles)))
             on_progress(
-                f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(programs)} programs compiled "
-                f"({time.perf_counter() - start:.1f}s)"
+                f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(cfg.shapes)} drafts x "
+                f"{len(programs)} programs compiled ({time.perf_counter() - start:.1f}s)"
             )
         self.run_until_idle()
         second = Request([1] * 3, 8)
@@ -229,6 +246,7 @@ class Engine:
         self.run_until_idle()
         on_progress(f"  cancel program compiled; warm-up done in {time.perf_counter() - start:.1f}s")
         self.metrics = metrics
+        self.scheduler.policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ internals
@@ -256,10 +274,13 @@ class Engine:
         self.metrics.queue_depth.set(self.scheduler.queue_depth)
         self.metrics.occupancy.set(self.scheduler.occupancy)
 
-    def _observe_counters(self, counters) -> None:
+    def _observe_counters(self, counters, segment: Segment | None, seconds: float | None) -> None:
         if self.metrics is not None and self._counters is not None:
             delta = counters.minus(self._counters)
             self.metrics.observe_cycles(delta.cycles, delta.reached, delta.accepted, delta.accept_hist)
+            if segment is not None and seconds and delta.cycles:
+                measured = measured_tokens_per_second(delta, seconds)
+                self.metrics.observe_segment(segment.draft.label, self.scheduler.policy.predicted, measured)
         self._counters = counters
 
     def _serve(self) -> None:

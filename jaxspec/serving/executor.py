@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,10 @@ from sharding.multihost import to_host
 
 
 class Executor:
-    """The slots' loop state and the programs that run a plan on it. `draft` is the shape every segment drafts
-    (compiled once); `stop_ids` the model's stop ids (they stop every row)."""
+    """The slots' loop state and the programs that run a plan on it. `draft` is the shape the state is built for and
+    prefill drafts with; `shapes` the draft shapes a segment may run (default: `draft` alone; more: chains no deeper
+    than `draft`, all running on the one state, each compiled once); `stop_ids` the model's stop ids (they stop
+    every row)."""
 
     def __init__(
         self,
@@ -38,19 +41,30 @@ class Executor:
         max_context: int,
         prefill_chunk: int,
         stop_ids: tuple[int, ...],
+        shapes: tuple[DraftShape, ...] = (),
     ):
         self.target, self.draft = target, draft
         self.drafter = drafter if not draft.plain else None
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.loop = LoopCache.of(target).loop(target, self.drafter)  # shared: another executor reuses its programs
-        # The per-row program scores tokens for the rows that want logprobs (skipped at run time when none does), so
-        # logprobs compile nothing extra; the static-greedy program has no logits and never runs such a row.
-        self.per_row = LoopConfig(draft, None, tuple(stop_ids), prefill_chunk, prefill_chunk, logprobs=True)
-        self.greedy = dataclasses.replace(self.per_row, sampling=Sampling(), logprobs=False)
+        self.shapes = shapes or (draft,)
+        labels = [shape.label for shape in self.shapes]
+        if draft not in self.shapes or any(s != draft and (s.tree or draft.tree or s > draft) for s in self.shapes):
+            raise ValueError(f"Executor.shapes: expected {draft.label} and chains no deeper, got {labels}")
+        # Per shape, (the static-greedy program, the per-row one). The per-row program scores tokens for the rows
+        # that want logprobs (skipped at run time when none does), so logprobs compile nothing extra; the
+        # static-greedy program has no logits and never runs such a row. Plain segments on a state with a drafter
+        # keep the drafter current (`LoopConfig.track_drafter`), so a drafting segment can follow.
+        self.programs = {}
+        for shape in self.shapes:
+            track = self.drafter is not None and shape.plain
+            per_row = LoopConfig(shape, None, tuple(stop_ids), prefill_chunk, prefill_chunk, True, track)
+            self.programs[shape] = (dataclasses.replace(per_row, sampling=Sampling(), logprobs=False), per_row)
+        self.per_row = self.programs[draft][1]  # the prefill's: the drafter's first draft for the deepest shape
         # Chains only: the static-greedy program leaves a placeholder in greedy rows' draft_q_BV, which a per-row
         # segment must replace first (`_fix_greedy_q`). Trees keep the root's logits there (tree acceptance reads
         # only the target), so there is nothing to fix.
-        self._greedy_leaves_q = not draft.plain and not draft.tree
+        self._greedy_leaves_q = self.drafter is not None and not draft.tree
         self._q_stale = False
         self.state = self._empty()
 
@@ -79,17 +93,23 @@ class Executor:
             self.state = self.loop.prefill_slot(
                 self.per_row, *self._params(), self.state, np.int32(chunk.row), np.int32(chunk.start)
             )
+        seconds = None
         if plan.segment is not None:
+            jax.block_until_ready(self.state)  # the segment's own time: what the scheduler's cost estimates learn
+            start = time.perf_counter()
             self.segment(plan.segment)
+            jax.block_until_ready(self.state)
+            seconds = time.perf_counter() - start
         if not plan.busy:
             return StepResult(plan.step)
-        return StepResult(plan.step, self._read(plan), self.counters())
+        return StepResult(plan.step, self._read(plan), self.counters(), seconds)
 
     def segment(self, segment: Segment) -> None:
         """`segment.cycles` cycles over rows [0, rows) and positions [0, positions) with the segment's program."""
-        if segment.draft != self.draft:
-            raise ValueError(f"Segment.draft: this executor runs {self.draft.label}, got {segment.draft.label}")
-        program = self.greedy if segment.greedy else self.per_row
+        if segment.draft not in self.programs:
+            labels = [shape.label for shape in self.shapes]
+            raise ValueError(f"Segment.draft: this executor runs {labels}, got {segment.draft.label}")
+        program = self.programs[segment.draft][0 if segment.greedy else 1]
         if segment.greedy:
             self._q_stale = self._greedy_leaves_q
         elif self._q_stale:

@@ -14,6 +14,10 @@ What they mean (also in the README's "Serving" section):
 - `jaxspec_time_to_first_token_seconds`: arrival to the first token handed out; `jaxspec_inter_token_latency_seconds`:
   the gap between tokens of one request (tokens arriving together share the gap since the previous arrival).
 - `jaxspec_requests_total{finish_reason}`: finished requests by reason (stop, length, cancelled, error).
+- `jaxspec_segments_total{draft}`: segments run per draft shape (`k=0` plain decoding, `k=3` a chain; with
+  `--num-steps auto` the shape changes per segment); `jaxspec_segment_predicted_tokens_per_second` and
+  `jaxspec_segment_measured_tokens_per_second`: the last segment's throughput as the scheduler's cost model predicted
+  it when choosing the shape (absent until that shape was timed at that batch bucket) and as it ran.
 """
 
 from __future__ import annotations
@@ -68,6 +72,11 @@ class Metrics:
             "jaxspec_inter_token_latency_seconds", "Gap between tokens", buckets=LATENCY_BUCKETS, registry=r
         )
         self.requests = Counter("jaxspec_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.segments = Counter("jaxspec_segments", "Segments run, by draft shape", ["draft"], registry=r)
+        self.predicted = Gauge(
+            "jaxspec_segment_predicted_tokens_per_second", "The last segment's predicted tokens/s", registry=r
+        )
+        self.measured = Gauge("jaxspec_segment_measured_tokens_per_second", "The last segment's tokens/s", registry=r)
         self.num_steps = num_steps
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._totals = np.zeros(2)  # row cycles, accepted drafts since start
@@ -86,6 +95,13 @@ class Metrics:
         self._totals += (row_cycles, float(np.dot(hist_T, np.arange(len(hist_T)))))
         if self._totals[0]:
             self.mean_accepted_length.set(1 + self._totals[1] / self._totals[0])
+
+    def observe_segment(self, draft: str, predicted: float | None, measured: float) -> None:
+        """One segment: its draft shape's label, its predicted tokens/s (None: not predicted) and measured tokens/s."""
+        self.segments.labels(draft).inc()
+        if predicted is not None:
+            self.predicted.set(predicted)
+        self.measured.set(measured)
 
     def observe_tokens(self, n: int) -> None:
         now = time.perf_counter()

@@ -245,12 +245,13 @@ _COUNTS = ("reached", "accepted", "accept_hist")
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What the executor hands back for one plan: one `RowResult` per `RowRead`, in the plan's order, and the loop's
-    counters after the step (None when the step ran nothing)."""
+    """What the executor hands back for one plan: one `RowResult` per `RowRead`, in the plan's order, the loop's
+    counters after the step (None when the step ran nothing), and the wall seconds its segment took (None: none ran)."""
 
     step: int
     rows: tuple[RowResult, ...] = ()
     counters: Counters | None = None
+    segment_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -260,7 +261,7 @@ class StepResult:
         rows = tuple(RowResult.from_dict(r) for r in d["rows"])
         c = d["counters"]
         counters = None if c is None else Counters(c["cycles"], *(tuple(c[k]) for k in _COUNTS))
-        return cls(d["step"], rows, counters)
+        return cls(d["step"], rows, counters, d.get("segment_seconds"))
 
     def to_bytes(self) -> bytes:
         return _dump("StepResult", self.to_dict())

@@ -14,8 +14,9 @@ requests. What it decides, in this order, for each step:
 `update` delivers new tokens (`on_update(request, new_tokens)`), frees the slot of a finished row, and returns a
 `StepReport` (who got how many tokens, who finished) from which the engine keeps its metrics.
 
-The block table, the prefix index and the choice of draft shape per segment are decisions of the same kind: they go
-here, and their outcome into the plan.
+The segment's draft shape is the `DraftPolicy`'s (adaptive.py): among the compiled candidate shapes, the one it
+predicts fastest for the rows generating now, from the segment times and acceptance counters `update` hands it.
+The block table and the prefix index are decisions of the same kind: they go here, and their outcome into the plan.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Protocol
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling_params import Sampling
+from jaxspec.serving.adaptive import DraftPolicy
 from jaxspec.serving.plan import (
     MAX_STOP_IDS,
     PrefillChunk,
@@ -128,7 +130,9 @@ class StepReport:
 
 class Scheduler:
     """The queue, the slots and the plan of each step. `submit` and `cancel` are thread-safe; `schedule`, `update` and
-    `abandon` belong to the engine's thread. `seeds()` draws a seed for a request without one (default: secrets)."""
+    `abandon` belong to the engine's thread. `seeds()` draws a seed for a request without one (default: secrets).
+    `draft`: the deepest draft shape (what a slot must leave room for); `shapes`: the candidates each segment's shape
+    is chosen from (default: `draft` alone)."""
 
     def __init__(
         self,
@@ -138,8 +142,11 @@ class Scheduler:
         vocab_size: int,
         stop_ids: tuple[int, ...] = (),
         seeds: Callable[[], int] = random_seed,
+        shapes: tuple[DraftShape, ...] = (),
     ):
         self.config, self.draft, self.vocab_size = config, draft, vocab_size
+        self.policy = DraftPolicy(shapes or (draft,), config.segment_cycles)
+        self._segment_run: Segment | None = None  # the last plan's segment
         self.stop_ids = tuple(stop_ids)  # the model's (they stop every request)
         self.seeds = seeds
         self.slots: list[Slot | None] = [None] * config.max_batch
@@ -225,7 +232,7 @@ class Scheduler:
         prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is not None]
         running = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is None]
         prefill = tuple(self._prefill_chunk(i) for i in prefilling)
-        segment = self._segment(max(running) + 1) if running else None
+        segment = self._segment(max(running) + 1, len(running)) if running else None
         read = tuple(
             RowRead(
                 i, len(s.request.prompt) + len(s.request.tokens), s.request.echo and s.request.prompt_logprobs is None
@@ -234,12 +241,15 @@ class Scheduler:
             if s is not None and s.next_chunk is None
         )
         self.step += 1
+        self._segment_run = segment
         return StepPlan(self.step, free, admit, prefill, segment, read)
 
     def update(self, result: StepResult) -> StepReport:
         """Hand a step's new tokens to their requests; free the slots of finished ones."""
         if result.step != self.step:
             raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
+        if self._segment_run is not None and result.counters is not None and result.segment_seconds is not None:
+            self.policy.observe(self._segment_run, result.counters, result.segment_seconds)
         now = time.perf_counter()
         delivered = []
         for row in result.rows:
@@ -321,14 +331,16 @@ class Scheduler:
         slot.next_chunk = None if len(slot.request.prompt) - 1 < start + C else start + C
         return PrefillChunk(row, start)
 
-    def _segment(self, rows: int) -> Segment:
-        """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, with the
-        static-greedy program while every occupied row is greedy (and the config allows it), else the per-row one."""
+    def _segment(self, rows: int, generating: int) -> Segment:
+        """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, drafting the
+        policy's shape, with the static-greedy program while every occupied row is greedy (and the config allows
+        it), else the per-row one."""
         cfg = self.config
         b = next(b for b in cfg.buckets if b >= rows)
-        s = next(s for s in cfg.contexts if s >= self._context_need(self.draft))
+        draft = self.policy.choose(b, generating)
+        s = next(s for s in cfg.contexts if s >= self._context_need(draft))
         greedy = cfg.greedy_program and all(s is None or _greedy_program_serves(s.request) for s in self.slots)
-        return Segment(b, s, self.draft, greedy, cfg.segment_cycles)
+        return Segment(b, s, draft, greedy, cfg.segment_cycles)
 
     def _context_need(self, draft: DraftShape) -> int:
         """Positions the next segment can touch: every generating row's end plus what its cycles can write (capped by

@@ -1,0 +1,95 @@
+"""Adaptive speculation: per segment, the draft shape the cost model predicts fastest for the rows generating now.
+
+Plain Python (the scheduler's: no jax). The candidates are a few compiled shapes (plain decoding and one chain, as
+`jaxspec serve --num-steps auto` sets them) that all run on the executor's one loop state. What the policy learns,
+online, from the executor's `StepResult`s:
+- per (shape, row bucket), the seconds one cycle takes T: an exponential average (weight ALPHA) of the measured
+  segment seconds over the cycles the segment ran; no tune.json is needed, the first segments measure it;
+- the drafter's conditional acceptance per draft position a_j: the per-position reached / accepted counters, decayed
+  by DECAY per drafting segment (a chain's a_j is a property of the drafter on the traffic, not of its depth, so
+  every chain shares them).
+A segment over a bucket of rows, n of them generating, runs the shape of highest predicted throughput n E / T (the
+cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). A candidate not yet timed at that bucket
+runs first; afterwards a candidate that was not chosen runs again once the time spent without it reaches its own
+segment time / EXPLORE_SHARE (its cost, and a chain's acceptance, would go stale otherwise), so exploring costs about
+EXPLORE_SHARE of the time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.profiling.cost_model import conditional_acceptance, expected_tokens
+from jaxspec.serving.plan import Counters, Segment
+
+ALPHA = 0.3  # weight of the newest segment in a cycle-time average
+DECAY = 0.9  # weight of the acceptance counters before a drafting segment's
+EXPLORE_SHARE = 0.02  # time spent re-measuring candidates that were not chosen, about
+
+
+class DraftPolicy:
+    """Chooses each segment's draft shape among `shapes` (compiled candidates) and learns from what segments took;
+    `cycles`: the cycles of a segment."""
+
+    def __init__(self, shapes: tuple[DraftShape, ...], cycles: int):
+        if not shapes or any(s.tree for s in shapes[1:]) or len(set(shapes)) != len(shapes):
+            raise ValueError(f"DraftPolicy.shapes: expected distinct shapes (chains when several), got {shapes}")
+        self.shapes, self.cycles = shapes, cycles
+        self.depth = max(s.num_steps for s in shapes)
+        self.cycle_seconds: dict[tuple[DraftShape, int], float] = {}  # (shape, row bucket) -> T
+        self.reached, self.accepted = np.zeros(self.depth), np.zeros(self.depth)  # decayed
+        self._idle: dict[tuple[DraftShape, int], float] = {}  # seconds of a bucket's segments since the shape ran
+        self._last: Counters | None = None
+        self.predicted: float | None = None  # tokens/s predicted for the last chosen segment (None: not yet timed)
+
+    def acceptance(self) -> np.ndarray:
+        """The decayed a_j per draft position (NaN where never reached)."""
+        return conditional_acceptance(self.reached, self.accepted)
+
+    def predict(self, shape: DraftShape, rows: int, generating: int) -> float | None:
+        """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating (None: never
+        timed there)."""
+        t = self.cycle_seconds.get((shape, rows))
+        if t is None:
+            return None
+        return generating * expected_tokens(self.acceptance(), shape.num_steps) / t
+
+    def choose(self, rows: int, generating: int) -> DraftShape:
+        """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating."""
+        untimed = [s for s in self.shapes if (s, rows) not in self.cycle_seconds]
+        if untimed:
+            shape = untimed[0]
+        else:
+            shape = max(self.shapes, key=lambda s: self.predict(s, rows, generating))
+            for other in self.shapes:
+                segment = self.cycle_seconds[other, rows] * self.cycles
+                if other != shape and self._idle.get((other, rows), 0.0) * EXPLORE_SHARE >= segment:
+                    shape = other
+                    break
+        self.predicted = self.predict(shape, rows, generating)
+        return shape
+
+    def observe(self, segment: Segment, counters: Counters, seconds: float) -> None:
+        """What a segment of the last plan took: its wall `seconds` and the loop's counters after it."""
+        last = self._last if self._last is not None and self._last.cycles <= counters.cycles else None
+        delta = counters.minus(last) if last is not None else counters
+        self._last = counters
+        if delta.cycles <= 0:
+            return
+        key = (segment.draft, segment.rows)
+        t = seconds / delta.cycles
+        old = self.cycle_seconds.get(key, t)
+        self.cycle_seconds[key] = (1 - ALPHA) * old + ALPHA * t
+        for shape in self.shapes:
+            idle = (shape, segment.rows)
+            self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
+        reached = np.asarray(delta.reached[: self.depth], np.float64)
+        if reached.any():
+            self.reached = DECAY * self.reached + reached
+            self.accepted = DECAY * self.accepted + np.asarray(delta.accepted[: self.depth], np.float64)
+
+
+def measured_tokens_per_second(delta: Counters, seconds: float) -> float:
+    """Tokens a segment generated (each row-cycle: its accepted drafts + 1) per second of it."""
+    return float(np.dot(delta.accept_hist, np.arange(1, len(delta.accept_hist) + 1))) / seconds
