@@ -15,8 +15,8 @@ from jaxspec.cli.args import (
     add_model_arg,
     add_num_steps_args,
     add_tree_args,
-    auto_num_steps,
     draft_shape,
+    recommended_shape,
     use_bundled_pair,
 )
 
@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_num_steps_args(
         p,
         default="auto",
-        auto_help="the configuration --tune DIR/tune.json recommends (a tree sets --topk and --num-draft-tokens "
-        "too, unless given), for the bundled pair its committed tuning result",
+        auto_help="per segment, plain decoding or a chain, whichever the engine's cost model predicts faster for the "
+        "rows generating then (from segment times and acceptance it measures while serving); the chain's depth is "
+        "the one --tune DIR/tune.json recommends (for the bundled pair its committed tuning result), else 3",
     )
     add_tree_args(p)
     add_engine_args(p)
@@ -55,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_arg(p, help="(default: float32 for the bundled pair, else bfloat16)")
     add_kv_cache_dtype_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--compilation-cache",
+        type=Path,
+        metavar="DIR",
+        help="JAX's persistent compilation cache in DIR: a restart with the same settings loads the compiled "
+        "programs instead of compiling them (start-up: docs/serving.md)",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -94,28 +102,31 @@ def _engine_fields(args: argparse.Namespace) -> dict:
     return fields
 
 
-def _num_steps(args, bundled: bool) -> int:
+def _num_steps(args, bundled: bool) -> tuple[int, bool]:
+    """(num_steps, adaptive) of --num-steps: an integer, or 'auto' (adaptive, over plain decoding and a chain of the
+    depth tune.json recommends, else 3; plain decoding alone without a drafter)."""
     if args.num_steps != "auto":
         try:
-            return int(args.num_steps)
+            return int(args.num_steps), False
         except ValueError:
             raise SystemExit(
                 f"jaxspec serve: --num-steps expects an integer or 'auto', got {args.num_steps!r}"
             ) from None
-    if args.tune is not None:
-        path = args.tune / "tune.json"
-    elif bundled:
+    if args.topk != 1:
+        raise SystemExit("jaxspec serve: --num-steps auto switches between plain decoding and a chain: drop --topk")
+    if not args.drafter:
+        log.info("--num-steps auto without --drafter: plain decoding")
+        return 0, False
+    path = args.tune / "tune.json" if args.tune is not None else None
+    if path is None and bundled:
         from jaxspec.bundled import ROOT
 
         path = ROOT.parent.parent / "benchmarks" / "results" / "tune_bundled" / "tune.json"
-    else:
-        raise SystemExit("jaxspec serve: --num-steps auto needs --tune DIR (the output of 'jaxspec tune')")
-    if not path.is_file():
+    if path is not None and not path.is_file():
         raise SystemExit(f"jaxspec serve: --num-steps auto: {path} not found (run 'jaxspec tune')")
-    k = auto_num_steps(args, path)
-    tree = f", topk {args.topk}, {args.num_draft_tokens} draft tokens" if args.topk > 1 else ""
-    log.info("--num-steps auto: k = %d%s (the recommendation of %s)", k, tree, path)
-    return k
+    k = recommended_shape(path).num_steps if path is not None else 3
+    log.info("--num-steps auto: per segment, plain decoding or a chain of k = %d (%s)", k, path or "no --tune")
+    return k, True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,11 +145,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
+    if args.compilation_cache is not None:  # before anything compiles; every program, however small or quick
+        jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     bundled = use_bundled_pair(args)
-    num_steps = _num_steps(args, bundled)
+    num_steps, adaptive = _num_steps(args, bundled)
     if num_steps and not args.drafter:
         raise SystemExit("jaxspec serve: --num-steps > 0 needs --drafter (or --num-steps 0)")
-    config = _engine_config(args, num_steps)
+    config = _engine_config(args, num_steps, adaptive)
     dtype = jnp.dtype(args.dtype or "bfloat16")
     log.info("loading %s (%s)", args.model, dtype)
     mesh = make_mesh(args.mesh) if args.mesh else None
@@ -163,12 +178,13 @@ def run(args: argparse.Namespace) -> int:
     engine.warmup(log.info)
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)
     app = create_app(engine, tokenizer, name, chat_format=args.chat_format)
-    log.info("serving %s on http://%s:%d (draft %s)", name, args.host, args.port, config.draft.label)
+    drafts = " or ".join(shape.label for shape in config.shapes)
+    log.info("serving %s on http://%s:%d (draft %s)", name, args.host, args.port, drafts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
     return 0
 
 
-def _engine_config(args: argparse.Namespace, num_steps: int):
+def _engine_config(args: argparse.Namespace, num_steps: int, adaptive: bool):
     """The engine settings of the flags (errors as one line naming the problem)."""
     from jaxspec.serving.engine import EngineConfig
 
@@ -177,6 +193,6 @@ def _engine_config(args: argparse.Namespace, num_steps: int):
 
     draft = draft_shape(argparse.Namespace(**(vars(args) | {"num_steps": num_steps})), fail)
     try:
-        return EngineConfig(draft=draft, **_engine_fields(args))
+        return EngineConfig(draft=draft, adaptive=adaptive, **_engine_fields(args))
     except ValueError as e:
         raise SystemExit(f"jaxspec serve: {e}") from None

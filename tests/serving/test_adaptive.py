@@ -2,6 +2,7 @@
 the greedy tokens of a fixed shape, keep the drafter current through plain segments (so sampling stays lossless:
 each cycle drafts from the drafter's distribution at the row's true prefix), and compile nothing after warm-up."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -10,22 +11,17 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.serving.engine import EngineConfig, Request
+from jaxspec.serving.adaptive import EXPLORE_SHARE, DraftPolicy
+from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor
-from jaxspec.serving.plan import PrefillChunk, RowAdmission, StepPlan
+from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, Segment, StepPlan
 from tests.serving.conftest import NUM_STEPS, warm_engine
+from tests.serving.test_engine import CONFIG as ENGINE_CONFIG
 
 PLAIN, CHAIN = DraftShape(0), DraftShape(NUM_STEPS)
-CONFIG = EngineConfig(
-    max_batch=2,
-    max_context=64,
-    draft=CHAIN,
-    adaptive=True,
-    prefill_chunk=16,
-    segment_cycles=2,
-    batch_buckets=(2,),
-    context_buckets=(64,),
-)
+# test_engine's shape (so its chain, admit and prefill programs compile once for both modules) with plain decoding as
+# a second shape; the static-greedy programs switch in a slow test of their own.
+CONFIG = dataclasses.replace(ENGINE_CONFIG, adaptive=True)
 
 
 class Scripted:
@@ -48,6 +44,11 @@ def engine(pair):
     return warm_engine(pair, CONFIG)
 
 
+@pytest.fixture(scope="module")
+def greedy_engine(pair):
+    return warm_engine(pair, dataclasses.replace(CONFIG, greedy_program=True, context_buckets=()))
+
+
 def run(engine, requests, script):
     engine.scheduler.policy = Scripted(script)
     for r in requests:
@@ -58,10 +59,25 @@ def run(engine, requests, script):
     return drafts
 
 
-@pytest.mark.parametrize("script", [(PLAIN, CHAIN), (CHAIN, CHAIN, PLAIN), (PLAIN, PLAIN, CHAIN)])
+SCRIPTS = [(PLAIN, CHAIN), (CHAIN, CHAIN, PLAIN), (PLAIN, PLAIN, CHAIN)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_switching_shapes_gives_the_greedy_tokens_of_a_fixed_shape(engine, prompts, reference, script):
-    """Greedy rows (the static-greedy program) and, alongside a sampled row, the per-row program: the tokens are the
-    single-request greedy reference whatever shape each segment ran; and no program compiles after warm-up."""
+    """Greedy rows, alone and alongside a sampled row: the tokens are the single-request greedy reference whatever
+    shape each segment ran; and no program compiles after warm-up."""
+    switching_gives_the_reference(engine, prompts, reference, script)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_switching_with_the_static_greedy_program(greedy_engine, prompts, reference, script):
+    """The same with the static-greedy program for all-greedy batches (it leaves a placeholder draft distribution,
+    which the per-row segment after it replaces, whichever shape ran)."""
+    switching_gives_the_reference(greedy_engine, prompts, reference, script)
+
+
+def switching_gives_the_reference(engine, prompts, reference, script):
     alone = [Request(prompts[0], 20), Request(prompts[2], 16)]
     mixed = [Request(prompts[4], 18), Request(prompts[7], 12, Sampling(0.9, top_k=30), seed=3)]
     expected = [reference(r.prompt, r.max_tokens) for r in alone + mixed[:1]]  # generate's programs compile here
@@ -99,7 +115,10 @@ def test_plain_segments_keep_the_drafter_cache_current(engine, pair, prompts):
     length = int(state.length_B[row])
     history = [int(t) for t in np.asarray(state.tokens_BS[row, : length + 1])]  # + the pending token
     target, drafter, _ = pair
-    fresh = Executor(target, drafter, CHAIN, max_batch=1, max_context=64, prefill_chunk=16, stop_ids=engine.stop_ids)
+    c = CONFIG  # the engine's shape: the fresh executor reuses its compiled prefill
+    fresh = Executor(
+        target, drafter, CHAIN, max_batch=2, max_context=c.max_context, prefill_chunk=16, stop_ids=engine.stop_ids
+    )
     chunks = tuple(PrefillChunk(0, start) for start in range(0, len(history), 16))
     for i, chunk in enumerate(chunks):
         admit = (RowAdmission(0, tuple(history), 2, Sampling(0.9), seed=8),) if i == 0 else ()
@@ -111,3 +130,58 @@ def test_plain_segments_keep_the_drafter_cache_current(engine, pair, prompts):
     engine.scheduler.policy = Scripted((CHAIN,))
     engine.run_until_idle()
     assert request.finish_reason in ("stop", "length")
+
+
+# ---------------------------------------------------------------------- the policy alone (plain Python)
+def segment(draft: DraftShape, rows: int = 2) -> Segment:
+    return Segment(rows, 64, draft, False, 4)
+
+
+class Loop:
+    """Counters as the executor's loop state keeps them (running totals, sized by the deepest draft)."""
+
+    def __init__(self):
+        self.counters = Counters(0, (0, 0, 0), (0, 0, 0), (0, 0, 0, 0))
+
+    def run(self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, rows: int = 2):
+        """One segment of 4 cycles over `rows` rows, each accepting `accepted` drafts of a chain."""
+        c, k, n = self.counters, draft.num_steps, 4 * rows
+        a = min(accepted, k)
+        reached = tuple(r + (n if j < k and j <= a else 0) for j, r in enumerate(c.reached))
+        acc = tuple(x + (n if j < a else 0) for j, x in enumerate(c.accepted))
+        hist = tuple(h + (n if t == a else 0) for t, h in enumerate(c.accept_hist))
+        self.counters = Counters(c.cycles + 4, reached, acc, hist)
+        policy.observe(segment(draft, rows), self.counters, 4 * seconds_per_cycle)
+
+
+@pytest.mark.parametrize(
+    ("accepted", "chain_cost", "best"),
+    [(3, 2.0, CHAIN), (0, 2.0, PLAIN), (1, 3.0, PLAIN), (2, 2.0, CHAIN)],
+)
+def test_the_policy_times_each_shape_first_then_runs_the_predicted_fastest(accepted, chain_cost, best):
+    """Untimed shapes run first; then the shape of highest n E / T: a chain accepting a drafts per cycle yields a + 1
+    tokens per cycle at `chain_cost` times a plain cycle."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    for expected in (PLAIN, CHAIN):
+        shape = policy.choose(2, 2)
+        assert shape == expected and policy.predicted is None
+        loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted)
+    assert policy.choose(2, 2) == best
+    tokens, cost = (1 + accepted, chain_cost) if best.num_steps else (1, 1)
+    assert policy.predicted == pytest.approx(2 * tokens / (0.01 * cost))
+    assert policy.choose(1, 1) == PLAIN  # another bucket: timed on its own
+
+
+def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time():
+    """With the chain losing (nothing accepted), it runs again only once the time spent without it is its segment's
+    time / EXPLORE_SHARE; then, still losing, plain decoding again."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    loop.run(policy, policy.choose(2, 2), 0.01, 0)
+    loop.run(policy, policy.choose(2, 2), 0.03, 0)
+    chosen = []
+    for _ in range(1000):
+        shape = policy.choose(2, 2)
+        chosen.append(shape)
+        loop.run(policy, shape, 0.03 if shape.num_steps else 0.01, 0)
+    explored = chosen.count(CHAIN)
+    assert 0 < explored and explored * 4 * 0.03 <= EXPLORE_SHARE * 1.1 * (chosen.count(PLAIN) * 4 * 0.01)

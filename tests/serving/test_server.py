@@ -225,6 +225,10 @@ def test_full_queue_answers_429_and_the_rest_complete(client, server, pair, refe
     # The draft settings the server runs (a chain of NUM_STEPS; `jaxspec serve --topk` would set a tree's).
     assert (metric(base, "jaxspec_num_steps"), metric(base, "jaxspec_topk")) == (NUM_STEPS, 1)
     assert metric(base, "jaxspec_verify_tokens") == NUM_STEPS + 1
+    # Segments by draft shape (a fixed chain: all of them), and the last one's predicted and measured tokens/s.
+    assert metric(base, "jaxspec_segments_total", f'{{draft="k={NUM_STEPS}"}}') > 0
+    assert metric(base, "jaxspec_segment_predicted_tokens_per_second") > 0
+    assert metric(base, "jaxspec_segment_measured_tokens_per_second") > 0
 
 
 def _both_modes(client, chat: bool, **kw) -> tuple[tuple[str, int, str], tuple[str, int, str]]:

@@ -1,0 +1,146 @@
+"""Adaptive speculation (`--num-steps auto`) against fixed k = 3 and plain decoding, in-process (no HTTP).
+
+Two cases: the bundled pair, and the bundled target with a deliberately poor drafter (the bundled drafter's weights
+scrambled: each array's entries permuted; no tune.json, so auto's chain is k = 3 for both). Per case, three engines
+(8 slots, batch buckets 1 and 8, 256 positions per slot): fixed k = 3, plain (k = 0, no drafter), and auto (per
+segment plain or the k = 3 chain, the scheduler's DraftPolicy choosing from the segment times and acceptance it
+measures; the policy keeps what it learned across rounds, as a server does). Concurrency c: c clients, each sending 2
+greedy requests of --max-tokens tokens one after the other, driven by `Engine.step` in this thread. Rounds interleave
+the engines; the median tokens/s per (case, engine, c) is reported, whether every engine of a case produced the same
+tokens, and auto's segments per shape.
+
+    python benchmarks/serve_adaptive.py --rounds 3     # writes benchmarks/results/serve_adaptive.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from serve_engine import load  # this directory (run as a script)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scrambled(drafter, seed: int = 0):
+    """The drafter with every weight array's entries permuted (a drafter that matches nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+
+    def scramble(x):
+        if not hasattr(x, "shape") or x.ndim == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        flat = np.asarray(x).reshape(-1)
+        return jax.device_put(flat[rng.permutation(flat.size)].reshape(x.shape), x.sharding)
+
+    return dataclasses.replace(drafter, params=jax.tree.map(scramble, drafter.params))
+
+
+def engines_of(target, drafter, stop_ids, plain):
+    from jaxspec.decoding import DraftShape
+    from jaxspec.serving.engine import Engine, EngineConfig
+
+    config = EngineConfig(max_batch=8, max_context=256, draft=DraftShape(3), batch_buckets=(1, 8))
+    out = {
+        "k=3": Engine(target, drafter, config, stop_ids=stop_ids),
+        "auto": Engine(target, drafter, dataclasses.replace(config, adaptive=True), stop_ids=stop_ids),
+    }
+    warmup = {name: e.warmup(lambda _: None) for name, e in out.items()}
+    return out | {"plain": plain}, warmup
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_adaptive.json")
+    args = p.parse_args()
+    from jaxspec import bundled
+    from jaxspec.decoding import DraftShape
+    from jaxspec.serving.engine import Engine, EngineConfig
+
+    target, drafter, tokenizer = bundled.load_pair()
+    prompts = [tokenizer.encode(p)[:128] for p in bundled.prompts()]
+    plain = Engine(target, None, EngineConfig(8, 256, DraftShape(0), batch_buckets=(1, 8)), stop_ids=tokenizer.stop_ids)
+    warmup = {"plain": plain.warmup(lambda _: None)}
+    cases = {}
+    for case, d in (("bundled pair", drafter), ("poor drafter", scrambled(drafter))):
+        cases[case], w = engines_of(target, d, tokenizer.stop_ids, plain)
+        warmup |= {f"{case} {name}": s for name, s in w.items()}
+    load_before = os.getloadavg()
+    rates, outputs, same = collections.defaultdict(list), {}, {}
+    segments = {case: collections.Counter() for case in cases}
+    for _ in range(args.rounds):
+        for case, engines in cases.items():
+            for c in (1, 8):
+                for name, engine in engines.items():
+                    if name == "auto":
+                        engine.executor.run = counting(engine.executor, segments[case])
+                    rate, tokens = load(engine, prompts, c, args.max_tokens)
+                    if name == "auto":
+                        del engine.executor.run
+                    rates[(case, name, c)].append(rate)
+                    key = f"{case} c={c}"
+                    same[key] = same.get(key, True) and outputs.setdefault(key, tokens) == tokens
+    table = {}
+    for case, engines in cases.items():
+        for c in (1, 8):
+            m = {name: float(np.median(rates[(case, name, c)])) for name in engines}
+            best = max(m["k=3"], m["plain"])
+            key = f"{case} c={c}"
+            table[key] = {"tok_s": m, "auto_over_better": m["auto"] / best, "same_tokens": same[key]}
+            print(case, c, json.dumps(table[f"{case} c={c}"]), flush=True)
+    record = {
+        "command": f"python benchmarks/serve_adaptive.py --rounds {args.rounds} --max-tokens {args.max_tokens}",
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "warmup_s": warmup,
+        "results": table,
+        "auto_segments": {case: {k: v for k, v in sorted(n.items())} for case, n in segments.items()},
+    }
+    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    args.output.with_suffix(".md").write_text(report(record))
+
+
+def counting(executor, counter):
+    """`executor.run`, counting the segments it runs per draft shape."""
+    run = type(executor).run
+
+    def counted(plan):
+        if plan.segment is not None:
+            counter[plan.segment.draft.label] += 1
+        return run(executor, plan)
+
+    return counted
+
+
+def report(record: dict) -> str:
+    lines = [
+        "# Adaptive speculation (`--num-steps auto`) vs fixed k = 3 and plain decoding",
+        "",
+        f"Written by `{record['command']}`. CPU only, the project's shared {record['cpus']}-core machine with other "
+        f"jobs beside it: load average (1, 5, 15 min) {', '.join(f'{x:.1f}' for x in record['load_average_before'])} "
+        f"before the measured rounds, {', '.join(f'{x:.1f}' for x in record['load_average_after'])} after.",
+        "",
+        "| case | k=3 tok/s | plain tok/s | auto tok/s | auto / the better | same tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in record["results"].items():
+        m = r["tok_s"]
+        ratio, same = r["auto_over_better"], "yes" if r["same_tokens"] else "NO"
+        lines.append(f"| {name} | {m['k=3']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {ratio:.2f} | {same} |")
+    lines += ["", "Segments auto ran, per draft shape (all rounds): " + json.dumps(record["auto_segments"]), ""]
+    lines += ["Warm-up seconds: " + json.dumps({k: round(v, 1) for k, v in record["warmup_s"].items()}), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
