@@ -1,7 +1,10 @@
 """Seconds from launching `jaxspec serve` until /health answers 200, for the defaults (bundled pair) and for a
-small configuration. Warm-up compiles every program before /health answers, so this is what a new user waits.
+small configuration: adaptive (`--num-steps auto`, the default) and a fixed k, cold, and with `--compilation-cache`
+cold (an empty cache) and restarted (the cache the cold launch wrote). Warm-up compiles every program before /health
+answers, so this is what a new user waits.
 
     python benchmarks/serve_startup.py
+    python benchmarks/serve_startup.py --configs small-k4,small-auto,small-auto-cache,small-auto-cache-restart
 
 Writes benchmarks/results/serve_startup.{json,md}, with the load average before and after each launch (the
 project's machine is shared, so the figures are noisy).
@@ -23,9 +26,14 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--max-batch", "4", "--batch-buckets", "1,4", "--max-context", "256"]
+CACHE = "{cache}"  # a fresh directory per run of this script, shared by its launches
 CONFIGS = {
     "defaults": [],
-    "small": ["--max-batch", "4", "--batch-buckets", "1,4", "--max-context", "256"],
+    "small-k4": [*SMALL, "--num-steps", "4"],  # the chain auto switches to on the bundled pair, alone
+    "small-auto": SMALL,
+    "small-auto-cache": [*SMALL, "--compilation-cache", CACHE],  # cold: the cache is empty
+    "small-auto-cache-restart": [*SMALL, "--compilation-cache", CACHE],  # the programs the launch before wrote
 }
 
 
@@ -66,13 +74,13 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="serve_startup-"))
     runs = []
     for name in args.configs.split(","):
-        flags = CONFIGS[name]
+        flags = [str(work / "cache") if f == CACHE else f for f in CONFIGS[name]]
         load_before = os.getloadavg()
         seconds = time_to_health(flags, work / f"{name}.log", args.limit)
         runs.append(
             {
                 "config": name,
-                "command": shlex.join(["jaxspec", "serve", *flags]),
+                "command": shlex.join(["jaxspec", "serve", *CONFIGS[name]]).replace("'{cache}'", "DIR"),
                 "seconds_to_health": round(seconds, 1),
                 "loadavg_before": [round(x, 2) for x in load_before],
                 "loadavg_after": [round(x, 2) for x in os.getloadavg()],
