@@ -83,6 +83,24 @@ def test_serve_tree_flags_reach_the_engine_config_and_are_checked_before_loading
         main(["serve", "--num-steps", "2", "--topk", "2", "--num-draft-tokens", "9"])
 
 
+def test_serve_num_steps_auto_is_adaptive_over_plain_and_the_recommended_chain(tmp_path):
+    """`serve --num-steps auto` (its default): adaptive, the chain's depth from tune.json (the bundled pair's committed
+    one: 4), 3 without one, plain decoding alone without a drafter; refused with a tree's --topk, before loading."""
+    import argparse
+
+    from jaxspec.cli.serve import _num_steps
+
+    args = lambda **kw: argparse.Namespace(**({"num_steps": "auto", "topk": 1, "drafter": "d", "tune": None} | kw))
+    assert _num_steps(args(), bundled=True) == (4, True)
+    assert _num_steps(args(), bundled=False) == (3, True)
+    assert _num_steps(args(drafter=None), bundled=False) == (0, False)
+    assert _num_steps(args(num_steps="2"), bundled=True) == (2, False)
+    with pytest.raises(SystemExit, match="not found"):
+        _num_steps(args(tune=tmp_path), bundled=True)
+    with pytest.raises(SystemExit, match="drop --topk"):
+        main(["serve", "--topk", "2"])
+
+
 def test_train_drafter_is_a_subcommand_and_checks_its_input(tmp_path):
     with pytest.raises(SystemExit, match="--target: .* is not a directory"):
         main(["train-drafter", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
