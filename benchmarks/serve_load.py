@@ -121,7 +121,11 @@ def level(base: str, prompts: list[str], concurrency: int, requests: int, max_to
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-steps", default="auto", help="speculative server's k (default: auto = tuned)")
+    p.add_argument(
+        "--num-steps",
+        default="auto",
+        help="speculative server's k (default: auto = adaptive, plain or the tuned chain per segment)",
+    )
     p.add_argument("--concurrency", default="1,2,4,8")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
