@@ -116,6 +116,8 @@ class SpecLoop:
             d_B, dq_BV, h2_BD, dcache = draft_extend(
                 self.drafter, dparams, next_BT, aux_BTI, pos_BT, s.draft_cache, row_B, k2, sampling
             )
+        if s.drafted_B is not None:  # the drafter has run over the prompt
+            s = s.replace(drafted_B=jnp.where(in_chunk_B, prompt_len_B, s.drafted_B))
         return s.replace(
             draft_cache=dcache,
             draft_B=jnp.where(in_chunk_B, d_B, s.draft_B),
@@ -127,12 +129,45 @@ class SpecLoop:
     def _run_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, max_cycles):
         """Run cycles until every sequence is done or `max_cycles` more cycles ran (for streaming)."""
         self.traces += 1
+        if cfg.num_steps and state.drafted_B is not None and not cfg.tree:
+            state = self._catch_up(cfg, dparams, state)
         limit = state.cycles + max_cycles
 
         def cond(s: LoopState):
             return jnp.any(~s.done_B) & (s.cycles < limit)
 
         return jax.lax.while_loop(cond, lambda s: self._cycle(cfg, tparams, dparams, s), state)
+
+    def _catch_up(self, cfg: LoopConfig, dparams, s: LoopState) -> LoopState:
+        """A lazy drafter behind its rows (plain cycles ran): draft-extend over the positions [drafted_B, length_B)
+        with the target states plain cycles kept, num_steps + 1 positions per step (the slots a chain's own
+        draft-extend writes), until every running row's draft, q and hidden state are current at its length."""
+        W, sampling = cfg.num_steps + 1, _sampling(cfg, s)
+        S = s.tokens_BS.shape[1]
+        behind = lambda s: ~s.done_B & (s.drafted_B < s.length_B)
+
+        def step(s: LoopState) -> LoopState:
+            go_B = behind(s)
+            start_B = jnp.where(go_B, s.drafted_B, s.length_B)  # other rows write only past their length (dead)
+            pos_BT = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
+            tokens_BT = jnp.take_along_axis(s.tokens_BS, jnp.minimum(pos_BT + 1, S - 1), axis=1)
+            aux_BTI = jnp.take_along_axis(s.aux_BSI, jnp.minimum(pos_BT, S - 1)[:, :, None], axis=1)
+            key, extend_key = _split(s.key, 2)
+            last_B = jnp.clip(s.length_B - 1 - start_B, 0, W - 1)
+            d_B, q_BV, h2_BD, dcache = draft_extend(
+                self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, s.draft_cache, last_B, extend_key, sampling
+            )
+            done_B = go_B & (s.length_B - start_B <= W)  # caught up in this step
+            return s.replace(
+                draft_cache=dcache,
+                draft_B=jnp.where(done_B, d_B, s.draft_B),
+                draft_q_BV=jnp.where(done_B[:, None], q_BV, s.draft_q_BV),
+                hidden_BD=jnp.where(done_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
+                drafted_B=jnp.where(go_B, jnp.minimum(start_B + W, s.length_B), s.drafted_B),
+                key=jnp.where(go_B, key, s.key) if key.ndim else key,
+            )
+
+        return jax.lax.while_loop(lambda s: jnp.any(behind(s)), step, s)
 
     def _cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:
         if cfg.tree:
@@ -164,8 +199,12 @@ class SpecLoop:
         accepted_B, emitted_BT, active_B, committed = accept_commit(cfg, s, draft_BJ, qs, out, accept_key)
 
         # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
-        draft_B, q_BV, hidden_BD = s.draft_B, s.draft_q_BV, s.hidden_BD
-        if self._uses_drafter(cfg):  # J = 0 too when tracking: the next draft after the one new token
+        draft_B, q_BV, hidden_BD, lazy = s.draft_B, s.draft_q_BV, s.hidden_BD, {}
+        if J == 0 and self._uses_drafter(cfg):  # a lazy drafter: keep the target states of position n
+            write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)
+            aux_BTI = replicate(concat_captured(captured), self.target.mesh).astype(s.aux_BSI.dtype)
+            lazy = dict(aux_BSI=jax.vmap(write)(s.aux_BSI, aux_BTI, n_B))
+        elif J:
             new_draft_B, new_q_BV, h2_BD, dcache = draft_extend(
                 self.drafter,
                 dparams,
@@ -180,6 +219,8 @@ class SpecLoop:
             draft_B = jnp.where(active_B, new_draft_B, s.draft_B)
             q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
             hidden_BD = jnp.where(active_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD)
+            if s.drafted_B is not None:  # the drafter is current again
+                lazy = dict(drafted_B=jnp.where(active_B, committed.length_B, s.drafted_B))
 
         if key.ndim:  # per-row keys advance only on the row's own cycles: its draws never depend on the batch
             key = jnp.where(active_B, key, s.key)
@@ -192,6 +233,7 @@ class SpecLoop:
             hidden_BD=hidden_BD,
             key=key,
             **count_acceptance(J, s, accepted_B, active_B),
+            **lazy,
         )
 
     def _tree_cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:

@@ -36,9 +36,9 @@ class LoopConfig:
     # Write each scored position's raw logprobs into LoopState.logprobs for the rows that ask (wants_logprobs_B):
     # needs per-row sampling (the static-greedy program's head is an argmax, with no logits to score).
     logprobs: bool = False
-    # Plain cycles (num_steps 0) with a drafter: each still runs the drafter's draft-extend over its new token, so the
-    # drafter's cache, next draft (and q) and hidden state stay current and a drafting program can follow on the same
-    # state (adaptive serving switches shapes between segments).
+    # Plain cycles (num_steps 0) on a state with a lazy drafter (`LoopState.empty(lazy_drafter=True)`): each keeps the
+    # captured target states of its token (LoopState.aux_BSI), so the next drafting program catches the drafter up
+    # over them (adaptive serving switches shapes between segments).
     track_drafter: bool = False
 
     def __post_init__(self):
@@ -106,6 +106,11 @@ class LoopState:
     # row has generated fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
     min_new_B: jax.Array | None = struct.field(default=None, **_axes(0))
     logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
+    # Lazy drafter (a state built with `lazy_drafter`, for plain and chain programs on one state): the captured target
+    # states at each position [B, S, X*D] that plain cycles keep, and how far the drafter has run (int32 [B]: its cache,
+    # draft_B, draft_q_BV and hidden_BD are current when drafted_B == length_B; a chain program first catches up).
+    aux_BSI: jax.Array | None = struct.field(default=None, **_axes(0, 1))
+    drafted_B: jax.Array | None = struct.field(default=None, **_axes(0))
 
     # ------------------------------------------------------------------ the one constructor
     @classmethod
@@ -121,12 +126,14 @@ class LoopState:
         greedy: bool = False,
         seed: int = 0,
         logprobs: bool = False,
+        lazy_drafter: bool = False,
     ) -> LoopState:
         """A state of `batch` rows and `context` positions with every row done (free), replicated on the target's
         mesh. `per_row`: per-row sampling (greedy), stop ids (none) and keys (split from seed `seed`, until a
         request is admitted there); else one key from `seed`. `greedy`: every program run on this state is greedy,
         so a chain keeps no draft distribution. `logprobs` (per-row only): the logprob buffers (`Logprobs`, 164
-        bytes per position and row). The drafter's cache exists when the draft uses the drafter."""
+        bytes per position and row). The drafter's cache exists when the draft uses the drafter; `lazy_drafter` (a
+        chain): the fields that let plain cycles leave the drafter behind (aux_BSI, drafted_B)."""
         use_drafter = drafter is not None and not draft.plain
         D = drafter.config.hidden_size if use_drafter else 1
         V = 1
@@ -140,7 +147,13 @@ class LoopState:
             raise ValueError("LoopState.empty: logprobs needs per_row (rows ask for them one by one)")
         rows = cls._rows(target.mesh, batch, context, D, V, J, hidden_dtype, per_row, seed, logprobs)
         draft_cache = drafter.init_cache(batch, context) if use_drafter else None
-        return cls(target_cache=target.init_cache(batch, context), draft_cache=draft_cache, **rows)
+        lazy = {}
+        if lazy_drafter and use_drafter and not draft.tree:
+            width = len(drafter.capture_layers) * drafter.config.target_hidden_size
+            aux = jnp.zeros((batch, context, width), target.dtype)
+            lazy = dict(aux_BSI=aux, drafted_B=jnp.zeros((batch,), jnp.int32))
+            lazy = jax.device_put(lazy, NamedSharding(target.mesh, PartitionSpec()))
+        return cls(target_cache=target.init_cache(batch, context), draft_cache=draft_cache, **rows, **lazy)
 
     @staticmethod
     def _rows(mesh, B: int, S: int, D: int, V: int, J: int, hidden_dtype, per_row: bool, seed: int, lp: bool) -> dict:

@@ -54,7 +54,7 @@ class Executor:
         # Per shape, (the static-greedy program, the per-row one). The per-row program scores tokens for the rows
         # that want logprobs (skipped at run time when none does), so logprobs compile nothing extra; the
         # static-greedy program has no logits and never runs such a row. Plain segments on a state with a drafter
-        # keep the drafter current (`LoopConfig.track_drafter`), so a drafting segment can follow.
+        # keep their target states for it (`LoopConfig.track_drafter`): a drafting segment first catches it up.
         self.programs = {}
         for shape in self.shapes:
             track = self.drafter is not None and shape.plain
@@ -74,7 +74,8 @@ class Executor:
 
     def _empty(self) -> LoopState:
         target, drafter, B, S = self.target, self.drafter, self.max_batch, self.max_context
-        return LoopState.empty(target, drafter, self.draft, B, S, per_row=True, logprobs=True)
+        lazy = len(self.shapes) > 1  # plain segments leave the drafter behind; the chain's catch it up
+        return LoopState.empty(target, drafter, self.draft, B, S, per_row=True, logprobs=True, lazy_drafter=lazy)
 
     def _params(self):
         return self.target.params, self.drafter.params if self.drafter is not None else None

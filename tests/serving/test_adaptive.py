@@ -100,18 +100,22 @@ def test_sampled_rows_are_reproducible_under_a_switching_script(engine, prompts)
     assert again.tokens == first.tokens and len(first.tokens) > 1
 
 
-def test_plain_segments_keep_the_drafter_cache_current(engine, pair, prompts):
-    """After plain segments, a sampled row's drafter cache over every processed position equals what a fresh prefill
-    of the same tokens writes: the next drafting segment drafts from the drafter's distribution at the true prefix
-    (what lossless speculative sampling needs)."""
+def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, prompts):
+    """Plain segments leave the drafter behind (their target states kept); the next chain segment first runs the
+    drafter over them: its cache over every processed position then equals what a fresh prefill of the same tokens
+    writes, so the chain drafts from the drafter's distribution at the row's true prefix (what lossless speculative
+    sampling needs)."""
     request = Request(prompts[3], 24, Sampling(0.9), seed=8)
-    engine.scheduler.policy = Scripted((CHAIN, PLAIN, PLAIN, PLAIN))
+    engine.scheduler.policy = Scripted((CHAIN, PLAIN, PLAIN, CHAIN))
     engine.submit(request)
-    for _ in range(5):  # the prefill steps, a chain segment, then plain ones
+    drafts = []
+    while drafts[-2:] != [PLAIN, CHAIN]:
         engine.step()
-    assert engine.scheduler._segment_run.draft == PLAIN and not request.finished
-    state = engine.executor.state
-    row = request.slot
+        drafts.append(engine.scheduler._segment_run and engine.scheduler._segment_run.draft)
+        state, row = engine.executor.state, request.slot
+        if drafts[-1] == PLAIN:
+            assert int(state.drafted_B[row]) < int(state.length_B[row])  # behind, as plain segments leave it
+    assert not request.finished and int(state.drafted_B[row]) == int(state.length_B[row])
     length = int(state.length_B[row])
     history = [int(t) for t in np.asarray(state.tokens_BS[row, : length + 1])]  # + the pending token
     target, drafter, _ = pair
