@@ -169,6 +169,12 @@ class SpecLoop:
 
         return jax.lax.while_loop(lambda s: jnp.any(behind(s)), step, s)
 
+    def _keep_aux(self, aux_BSI, captured, n_B):
+        """A plain cycle's captured target states [X, B, 1, D] written at each row's position n_B of `aux_BSI`."""
+        write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)
+        aux_BTI = replicate(concat_captured(captured), self.target.mesh).astype(aux_BSI.dtype)
+        return jax.vmap(write)(aux_BSI, aux_BTI, n_B)
+
     def _cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:
         if cfg.tree:
             return self._tree_cycle(cfg, tparams, dparams, s)
@@ -201,20 +207,11 @@ class SpecLoop:
         # 5. draft-extend over [d_1..d_a, bonus] with the target states of positions n..n+a
         draft_B, q_BV, hidden_BD, lazy = s.draft_B, s.draft_q_BV, s.hidden_BD, {}
         if J == 0 and self._uses_drafter(cfg):  # a lazy drafter: keep the target states of position n
-            write = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)
-            aux_BTI = replicate(concat_captured(captured), self.target.mesh).astype(s.aux_BSI.dtype)
-            lazy = dict(aux_BSI=jax.vmap(write)(s.aux_BSI, aux_BTI, n_B))
+            lazy = dict(aux_BSI=self._keep_aux(s.aux_BSI, captured, n_B))
         elif J:
+            aux_BTI = concat_captured(captured)
             new_draft_B, new_q_BV, h2_BD, dcache = draft_extend(
-                self.drafter,
-                dparams,
-                emitted_BT,
-                concat_captured(captured),
-                pos_BT,
-                dcache,
-                accepted_B,
-                extend_key,
-                sampling,
+                self.drafter, dparams, emitted_BT, aux_BTI, pos_BT, dcache, accepted_B, extend_key, sampling
             )
             draft_B = jnp.where(active_B, new_draft_B, s.draft_B)
             q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)

@@ -3,8 +3,9 @@
 Plain Python (the scheduler's: no jax). The candidates are a few compiled shapes (plain decoding and one chain, as
 `jaxspec serve --num-steps auto` sets them) that all run on the executor's one loop state. What the policy learns,
 online, from the executor's `StepResult`s:
-- per (shape, row bucket), the seconds one cycle takes T: an exponential average (weight ALPHA) of the measured
-  segment seconds over the cycles the segment ran; no tune.json is needed, the first segments measure it;
+- per (shape, row bucket), the seconds one cycle takes T: the median of the last RECENT measurements (segment
+  seconds over the cycles it ran; a median, as one segment can take several times the others: the first run of a
+  program, other work on the machine); no tune.json needed: the first segments measure it;
 - the drafter's conditional acceptance per draft position a_j: the per-position reached / accepted counters, decayed
   by DECAY per drafting segment (a chain's a_j is a property of the drafter on the traffic, not of its depth, so
   every chain shares them).
@@ -17,13 +18,16 @@ EXPLORE_SHARE of the time.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.profiling.cost_model import conditional_acceptance, expected_tokens
 from jaxspec.serving.plan import Counters, Segment
 
-ALPHA = 0.3  # weight of the newest segment in a cycle-time average
+RECENT = 8  # cycle-time measurements kept per (shape, row bucket)
+FIRST = 3  # measurements of every candidate at a bucket before the policy chooses there
 DECAY = 0.9  # weight of the acceptance counters before a drafting segment's
 EXPLORE_SHARE = 0.02  # time spent re-measuring candidates that were not chosen, about
 
@@ -38,6 +42,7 @@ class DraftPolicy:
         self.shapes, self.cycles = shapes, cycles
         self.depth = max(s.num_steps for s in shapes)
         self.cycle_seconds: dict[tuple[DraftShape, int], float] = {}  # (shape, row bucket) -> T
+        self._recent: dict[tuple[DraftShape, int], collections.deque] = {}
         self.reached, self.accepted = np.zeros(self.depth), np.zeros(self.depth)  # decayed
         self._idle: dict[tuple[DraftShape, int], float] = {}  # seconds of a bucket's segments since the shape ran
         self._last: Counters | None = None
@@ -48,8 +53,8 @@ class DraftPolicy:
         return conditional_acceptance(self.reached, self.accepted)
 
     def predict(self, shape: DraftShape, rows: int, generating: int) -> float | None:
-        """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating (None: never
-        timed there)."""
+        """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating (None: not
+        timed there yet)."""
         t = self.cycle_seconds.get((shape, rows))
         if t is None:
             return None
@@ -57,7 +62,7 @@ class DraftPolicy:
 
     def choose(self, rows: int, generating: int) -> DraftShape:
         """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating."""
-        untimed = [s for s in self.shapes if (s, rows) not in self.cycle_seconds]
+        untimed = [s for s in self.shapes if len(self._recent.get((s, rows), ())) < FIRST]
         if untimed:
             shape = untimed[0]
         else:
@@ -78,9 +83,9 @@ class DraftPolicy:
         if delta.cycles <= 0:
             return
         key = (segment.draft, segment.rows)
-        t = seconds / delta.cycles
-        old = self.cycle_seconds.get(key, t)
-        self.cycle_seconds[key] = (1 - ALPHA) * old + ALPHA * t
+        recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
+        recent.append(seconds / delta.cycles)
+        self.cycle_seconds[key] = float(np.median(recent))
         for shape in self.shapes:
             idle = (shape, segment.rows)
             self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
