@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The EngineConfig fields that have a help text, as --<field-name> flags with the config's defaults (a tuple
-    field takes comma-separated integers)."""
+    field takes comma-separated integers; a bool field, on by default, is turned off by --no-<field-name>)."""
     import typing
 
     from jaxspec.serving.engine import EngineConfig
@@ -69,7 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if "help" not in f.metadata:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if hints[f.name] is int:
+        if hints[f.name] is bool:  # on by default: --no-<field-name> turns it off
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=f"don't {f.metadata['help']}")
+        elif hints[f.name] is int:
             p.add_argument(flag, type=int, default=f.default, help=f.metadata["help"] + " (%(default)s)")
         else:  # tuple[int, ...]
             p.add_argument(flag, default="", help=f.metadata["help"])

@@ -96,7 +96,7 @@ class SpecLoop:
         chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, chunk, axis=1)
         out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, s.target_cache, cfg)
         # The first generated token comes from the last prompt position, if it falls in this chunk.
-        key, k1, k2 = _split(s.key, 3)
+        key, k1, k2 = _split(s.key, PREFILL_KEYS)
         in_chunk_B = (last_B >= start) & (last_B < start + chunk)
         row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
@@ -456,6 +456,15 @@ def _greedy(cfg: LoopConfig) -> bool:
 
 def _sampling(cfg: LoopConfig, s: LoopState) -> Sampling | RowSampling:
     return cfg.sampling if cfg.sampling is not None else s.row_sampling
+
+
+PREFILL_KEYS = 3  # keys a prefill chunk splits from each row's key (the row keeps the first)
+
+
+def key_after_prefill(key: jax.Array, chunks) -> jax.Array:
+    """One row's key after `chunks` prefill chunks: what a row that reuses a cached prefix starts from, so its draws
+    are those of the row that prefilled every chunk (traceable; `chunks` may be traced)."""
+    return jax.lax.fori_loop(0, chunks, lambda _, k: jax.random.split(k, PREFILL_KEYS)[0], key)
 
 
 def _split(key: jax.Array, n: int) -> jax.Array:

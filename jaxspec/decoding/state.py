@@ -116,12 +116,14 @@ class LoopState:
         greedy: bool = False,
         seed: int = 0,
         logprobs: bool = False,
+        caches: bool = True,
     ) -> LoopState:
         """A state of `batch` rows and `context` positions with every row done (free), replicated on the target's
         mesh. `per_row`: per-row sampling (greedy), stop ids (none) and keys (split from seed `seed`, until a
         request is admitted there); else one key from `seed`. `greedy`: every program run on this state is greedy,
         so a chain keeps no draft distribution. `logprobs` (per-row only): the logprob buffers (`Logprobs`, 164
-        bytes per position and row). The drafter's cache exists when the draft uses the drafter."""
+        bytes per position and row). The drafter's cache exists when the draft uses the drafter. Without `caches`
+        neither cache is made (None): the serving executor keeps them in its pool of blocks."""
         use_drafter = drafter is not None and not draft.plain
         D = drafter.config.hidden_size if use_drafter else 1
         V = 1
@@ -134,8 +136,9 @@ class LoopState:
         if logprobs and not per_row:
             raise ValueError("LoopState.empty: logprobs needs per_row (rows ask for them one by one)")
         rows = cls._rows(target.mesh, batch, context, D, V, J, hidden_dtype, per_row, seed, logprobs)
-        draft_cache = drafter.init_cache(batch, context) if use_drafter else None
-        return cls(target_cache=target.init_cache(batch, context), draft_cache=draft_cache, **rows)
+        draft_cache = drafter.init_cache(batch, context) if use_drafter and caches else None
+        target_cache = target.init_cache(batch, context) if caches else None
+        return cls(target_cache=target_cache, draft_cache=draft_cache, **rows)
 
     @staticmethod
     def _rows(mesh, B: int, S: int, D: int, V: int, J: int, hidden_dtype, per_row: bool, seed: int, lp: bool) -> dict:

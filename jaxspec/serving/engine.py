@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,23 @@ class EngineConfig:
     # While every occupied row is greedy, segments run the static-greedy program (argmax head, no per-row warping
     # or sampling); its tokens are the per-row program's for greedy rows. False: always the per-row program.
     greedy_program: bool = True
+    # The cache pool (blocks.py): every slot's target and drafter cache positions live in blocks of it, so requests
+    # share one budget of positions instead of each slot owning max_context of them, and share cached prefixes.
+    kv_cache_tokens: int = _setting(0, "cache positions in the shared pool (0: max-batch x max-context)")
+    block_size: int = _setting(
+        0, "positions per cache block (0: the largest dividing the prefill chunk and every context bucket)"
+    )
+    prefix_cache: bool = _setting(True, "reuse the cache of full prompt blocks another request already computed")
+
+    @property
+    def block(self) -> int:
+        """Positions per cache block (`block_size`, or its default)."""
+        return self.block_size or math.gcd(self.prefill_chunk, *self.contexts)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks in the cache pool (the null block aside)."""
+        return (self.kv_cache_tokens or self.max_batch * self.max_context) // self.block
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -94,10 +112,27 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.context_buckets: expected sizes in [1, {self.max_context}], got {self.context_buckets}"
             )
+        self._check_pool()
         if self.max_context % self.prefill_chunk:
             raise ValueError(
                 f"EngineConfig.max_context ({self.max_context}) must be a multiple of prefill_chunk "
                 f"({self.prefill_chunk})"
+            )
+
+    def _check_pool(self) -> None:
+        for name in ("kv_cache_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"EngineConfig.{name}: expected an integer >= 0, got {value!r}")
+        if any(n % self.block for n in (self.prefill_chunk, *self.contexts)):
+            raise ValueError(
+                f"EngineConfig.block_size: {self.block} must divide the prefill chunk ({self.prefill_chunk}) and "
+                f"every context bucket {self.contexts}"
+            )
+        if self.kv_cache_tokens and self.kv_cache_tokens < self.max_context:
+            raise ValueError(
+                f"EngineConfig.kv_cache_tokens: expected at least max_context ({self.max_context}), "
+                f"got {self.kv_cache_tokens}"
             )
 
 
@@ -133,6 +168,7 @@ class Engine:
             max_context=config.max_context,
             prefill_chunk=config.prefill_chunk,
             stop_ids=self.stop_ids,
+            pool=(config.pool_blocks, config.block),
         )
         self.channel = channel
         self._thread: threading.Thread | None = None
@@ -272,6 +308,7 @@ class Engine:
             except Exception:  # a failed device call must not take the server down: fail what ran, start clean
                 log.exception("engine step failed; failing the running requests and resetting the slots")
                 self._observe(self.scheduler.abandon("error", queued=False))
+                self.scheduler.tables.pool.clear()  # the pool is zeroed: nothing cached in it holds any more
                 if self.channel is not None:
                     self.channel.publish(fanout.RESET)
                 self.executor.reset()
