@@ -84,6 +84,8 @@ class FakeExecutor:
     """Runs plans as the device does (free, admit, prefill, segment, read), on host rows; each generating row gains
     1 to J+1 tokens per cycle. It checks what the device relies on: chunks in order, windows that cover the rows."""
 
+    Row = FakeRow
+
     def __init__(self, shape: Shape):
         self.shape, self.rows, self.plans = shape, [None] * shape.max_batch, []
         self.cycle = 0
@@ -93,10 +95,11 @@ class FakeExecutor:
         for row in plan.free:
             self.rows[row].done = True
         for a in plan.admit:
-            self.rows[a.row] = FakeRow(a, list(a.prompt))
+            self.rows[a.row] = self.Row(a, list(a.prompt), a.cached)
         for chunk in plan.prefill:
             row = self.rows[chunk.row]
             assert chunk.start == row.prefilled and row.done, "prefill chunks run in order, on a row not generating"
+            assert chunk.start >= row.admission.cached, "prefill starts past the cached prefix"
             row.prefilled = min(chunk.start + self.shape.prefill_chunk, len(row.admission.prompt))
             if row.prefilled == len(row.admission.prompt):
                 row.emit()  # the prefill's first token
