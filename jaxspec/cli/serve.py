@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             except LostLeader as e:
                 raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
             return 0
-    metrics = Metrics(config.draft, config.max_batch)
+    metrics = Metrics(config.draft, config.max_batch, pool_blocks=config.pool_blocks)
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel)
     engine.warmup(log.info)
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)

@@ -248,6 +248,7 @@ class _Choice:
     seed: int | None  # None: the engine draws one
     text: ChoiceText
     request: EngineRequest | None = None  # the engine request running now
+    first: EngineRequest | None = None  # its first engine request (what reused the prompt's cached prefix)
     parts: int = 0  # engine requests submitted for it (more than one only with ignore_eos)
     reason: str | None = None  # finish reason, once finished
     # logprobs: the scores of every token taken (text.tokens is a prefix of those), how many of the running engine
@@ -345,6 +346,7 @@ class _Run:
         r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
         self.engine.submit(r)
         c.request, c.parts, c.taken = r, c.parts + 1, 0
+        c.first = c.first or r
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -434,10 +436,15 @@ class _Run:
         finally:
             self.cancel()
 
-    def usage(self, prompts: list[list[int]]) -> dict[str, int]:
+    def usage(self, prompts: list[list[int]]) -> dict[str, Any]:
+        """Token counts, each prompt once whatever n is (as OpenAI), with its tokens reused from the prefix cache
+        (`prompt_tokens_details.cached_tokens`, as its first choice reused them)."""
         done = sum(len(c.text.tokens) for c in self.choices)
-        prompt = sum(len(p) for p in prompts)  # each prompt once, whatever n is (as OpenAI)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        prompt = sum(len(p) for p in prompts)
+        firsts = self.choices[:: len(self.choices) // len(prompts)]
+        cached = sum(c.first.cached_tokens for c in firsts if c.first is not None)
+        counts = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return counts | {"prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):

@@ -174,6 +174,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._counters = None  # the loop's counters after the last step, for metric deltas
+        self._pool_seen = (0, 0, 0)  # the scheduler's preemptions and prefix-cache queries and hits, counted so far
 
     # ------------------------------------------------------------------ public, thread-safe
     def check(self, prompt_len: int, max_tokens: int) -> str | None:
@@ -265,6 +266,8 @@ class Engine:
         self.run_until_idle()
         on_progress(f"  cancel program compiled; warm-up done in {time.perf_counter() - start:.1f}s")
         self.metrics = metrics
+        s = self.scheduler
+        self._pool_seen = (s.preemptions, s.tables.queries, s.tables.hits)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ internals
@@ -291,6 +294,19 @@ class Engine:
             self.metrics.requests.labels(r.finish_reason).inc()
         self.metrics.queue_depth.set(self.scheduler.queue_depth)
         self.metrics.occupancy.set(self.scheduler.occupancy)
+        self._observe_pool()
+
+    def _observe_pool(self) -> None:
+        """The pool's usage, and the preemptions and prefix-cache lookups since the last step (warm-up's excluded)."""
+        s, t = self.scheduler, self.scheduler.tables
+        totals = (s.preemptions, t.queries, t.hits)
+        deltas = [now - seen for now, seen in zip(totals, self._pool_seen, strict=True)]
+        self._pool_seen = totals
+        for counter, delta in zip(
+            (self.metrics.preemptions, self.metrics.prefix_queries, self.metrics.prefix_hits), deltas, strict=True
+        ):
+            counter.inc(delta)
+        self.metrics.kv_cache_usage.set(t.pool.used / t.pool.num_blocks)
 
     def _observe_counters(self, counters) -> None:
         if self.metrics is not None and self._counters is not None:
