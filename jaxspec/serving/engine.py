@@ -25,7 +25,7 @@ from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving import fanout
 from jaxspec.serving.executor import Executor
-from jaxspec.serving.plan import Segment, StepPlan, StepResult
+from jaxspec.serving.plan import RowAdmission, Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler, StepReport
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "Request"]
@@ -234,8 +234,8 @@ class Engine:
             pass
 
     def warmup(self, on_progress: Callable[[str], None] = log.info) -> float:
-        """Compile every program the engine uses (admit, prefill chunk, every segment bucket and program, free) by
-        serving two dummy requests, one of them cancelled; returns the seconds taken."""
+        """Compile every program the engine uses (admit, prefill chunk, every segment bucket and program, a prefix
+        hit, free) by serving two dummy requests, one of them cancelled; returns the seconds taken."""
         start = time.perf_counter()
         cfg, draft = self.config, self.config.draft
         metrics, self.metrics = self.metrics, None  # the dummy requests are not traffic
@@ -259,6 +259,11 @@ class Engine:
                 f"({time.perf_counter() - start:.1f}s)"
             )
         self.run_until_idle()
+        # A prefix hit's program (the row's key advanced past the cached chunks): a row admitted as if its first
+        # chunk were cached, then freed (every row is free here; the next admission rewrites it).
+        chunk = cfg.prefill_chunk
+        self._run(StepPlan(0, admit=(RowAdmission(0, (1,) * (chunk + 1), 1, cached=chunk),)))
+        self._run(StepPlan(0, free=(0,)))
         second = Request([1] * 3, 8)
         self.submit(second)
         self.step()
