@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.serving.engine import Engine, Request
+from jaxspec.serving.engine import Engine, EngineConfig, Request
 from tests.serving.test_engine import CONFIG
 
 # test_engine's shape (so the loop's programs are shared) with a pool of 10 blocks of 16 positions: two rows that
@@ -22,6 +22,24 @@ def engine(pair):
     engine = Engine(target, drafter, POOL, stop_ids=tokenizer.stop_ids)
     engine.warmup(lambda _: None)
     return engine
+
+
+def test_pool_flags_and_their_checks():
+    import argparse
+
+    from jaxspec.cli.serve import _engine_fields, add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    fields = _engine_fields(p.parse_args(["--kv-cache-tokens", "4096", "--block-size", "16", "--no-prefix-cache"]))
+    assert (fields["kv_cache_tokens"], fields["block_size"], fields["prefix_cache"]) == (4096, 16, False)
+    assert _engine_fields(p.parse_args([]))["prefix_cache"] is True
+    config = EngineConfig(max_batch=4, max_context=512, kv_cache_tokens=1000)
+    assert (config.block, config.pool_blocks) == (64, 15) and EngineConfig().pool_blocks == 8 * 1024 // 64
+    with pytest.raises(ValueError, match="EngineConfig.block_size: 48 must divide the prefill chunk"):
+        EngineConfig(block_size=48)
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_tokens: expected at least max_context"):
+        EngineConfig(kv_cache_tokens=512)
 
 
 def serve(engine, requests: list[Request], *, cache: bool) -> list[Request]:

@@ -20,6 +20,7 @@ from jaxspec.serving.plan import (
     Counters,
     PrefillChunk,
     RowAdmission,
+    RowBlocks,
     RowRead,
     RowResult,
     Segment,
@@ -398,11 +399,12 @@ def test_plan_and_result_round_trip_through_bytes():
         free=(3, 1),
         admit=(
             RowAdmission(1, (5, 6, 7), 9, Sampling(0.1, top_k=40, top_p=0.95), (11, 12), 2**32 - 1),
-            RowAdmission(3, (8,), 4, logprobs=True, min_new=2),
+            RowAdmission(3, (8,) * 70, 4, logprobs=True, min_new=2, cached=64),
         ),
         prefill=(PrefillChunk(1, 0), PrefillChunk(2, 64)),
         segment=Segment(4, 256, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
         read=(RowRead(0, 17), RowRead(2, 70, prompt=True)),
+        blocks=(RowBlocks(1, (4, 2, 9)), RowBlocks(3, ())),
     )
     again = StepPlan.from_bytes(plan.to_bytes())
     assert again == plan and again.admit[0].sampling.temperature == 0.1 and again.segment.draft.tree
@@ -436,6 +438,9 @@ def test_plan_values_refuse_bad_fields_by_name():
         (lambda: Segment(1, 16, 3, True, 1), "Segment.draft: expected a DraftShape"),
         (lambda: StepPlan(1, prefill=(PrefillChunk(0, 0), PrefillChunk(0, 8))), "StepPlan.prefill: expected each row"),
         (lambda: StepPlan(1, free=(2, 2)), "StepPlan.free: expected a tuple of distinct rows"),
+        (lambda: RowAdmission(0, (1, 2), 1, cached=2), "RowAdmission.cached: expected an integer in \\[0, 1\\]"),
+        (lambda: RowBlocks(0, (0, 1)), "RowBlocks.blocks: expected a tuple of block ids >= 1"),
+        (lambda: StepPlan(1, blocks=(RowBlocks(0, ()), RowBlocks(0, (1,)))), "StepPlan.blocks: expected each row"),
         (lambda: StepPlan(1, admit=[RowAdmission(0, (1,), 1)]), "StepPlan.admit: expected a tuple of RowAdmission"),
     ]:
         with pytest.raises(ValueError, match=match):
