@@ -8,7 +8,7 @@ blocks into the dense window of the state the compiled loop runs on, and scatter
 the same tables (a cached prefix block shared by rows gets back the values it had: nothing below a row's prompt end
 is written). It decides nothing: which rows, chunks, buckets and program run is the plan's, so every process of a
 multi-process server runs the same programs in the same order from the same plans. The plan's parts run in the order
-plan.py gives (free, admit, prefill, segment, read).
+plan.py gives (free, blocks, admit, prefill, segment, read).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Executor:
 
     # ------------------------------------------------------------------ one plan
     def run(self, plan: StepPlan) -> StepResult:
-        """Run `plan` (free, admit, prefill, segment, read) and return what its reads found."""
+        """Run `plan` (free, blocks, admit, prefill, segment, read) and return what its reads found."""
         for row in plan.free:
             self.state = _free(self.state, np.int32(row))
         if plan.blocks:

@@ -397,27 +397,6 @@ def test_logprobs_and_echo_in_openai_shapes(client, pair, prompts, reference):
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
 
-def test_sigterm_drains_the_running_stream(server, pair, reference):
-    """Last: SIGTERM while a stream runs; the stream still completes (every token of the greedy answer), then the
-    server exits cleanly and stops taking connections."""
-    proc, base, log = server
-    body = {"model": MODEL, "prompt": [9, 8, 7], "max_tokens": 24, "temperature": 0, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
-        lines = response.iter_lines()
-        first = next(lines)
-        proc.send_signal(signal.SIGTERM)
-        events = [first] + [line for line in lines if line]
-    assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text_of(pair, reference([9, 8, 7], 24))
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 24
-    # uvicorn re-raises the signal once it has drained and shut down: a clean exit reads -SIGTERM (or 0).
-    assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()[-2000:]
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"{base}/health", timeout=2)
-
-
 def test_chat_requests_sharing_a_system_prompt_reuse_its_cache(client, server):
     """The second chat with the same long system prompt reuses its cached blocks (usage's cached_tokens, the
     prefix-cache metrics) and answers as the first did; a different user turn reuses them too."""
@@ -437,3 +416,24 @@ def test_chat_requests_sharing_a_system_prompt_reuse_its_cache(client, server):
     assert metric(base, "jaxspec_prefix_cache_queries_total") >= 3 * first.usage.prompt_tokens
     assert metric(base, "jaxspec_kv_cache_blocks") == SLOTS * CONTEXT // 32
     assert "jaxspec_kv_cache_usage_perc" in httpx.get(f"{base}/metrics").text
+
+
+def test_sigterm_drains_the_running_stream(server, pair, reference):
+    """Last: SIGTERM while a stream runs; the stream still completes (every token of the greedy answer), then the
+    server exits cleanly and stops taking connections."""
+    proc, base, log = server
+    body = {"model": MODEL, "prompt": [9, 8, 7], "max_tokens": 24, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        proc.send_signal(signal.SIGTERM)
+        events = [first] + [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text_of(pair, reference([9, 8, 7], 24))
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 24
+    # uvicorn re-raises the signal once it has drained and shut down: a clean exit reads -SIGTERM (or 0).
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()[-2000:]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/health", timeout=2)
