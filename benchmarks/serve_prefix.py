@@ -10,7 +10,13 @@
 3. requests that together need more positions than the pool: 8 slots sharing 1,024 positions, 8 requests of about
    300 positions each; they all complete, preempted and resumed, each with its tokens from (2) (asserted).
 
+With --block-sizes it measures only the block size's cost instead: 16 requests sharing a 256-token prefix (96 of
+their own tokens, 48 new) on 8 slots x 512 positions, for each block size (prefill chunks of 64), interleaved over
+the rounds; median tokens/s, the same tokens for every size (asserted).
+
     python benchmarks/serve_prefix.py --rounds 5      # writes benchmarks/results/serve_prefix.json
+    python benchmarks/serve_prefix.py --rounds 3 --block-sizes 16,32,64 \
+        --output benchmarks/results/serve_prefix_blocks.json
 """
 
 from __future__ import annotations
@@ -119,15 +125,48 @@ def at_once(pair, text: list[int]) -> dict:
     return out
 
 
+def block_sizes(pair, text: list[int], sizes: list[int], rounds: int) -> dict:
+    from jaxspec.serving.engine import Engine, EngineConfig, Request
+
+    target, drafter, tokenizer = pair
+    engines = {}
+    for b in sizes:
+        config = EngineConfig(max_batch=8, max_context=512, batch_buckets=(8,), context_buckets=(512,), block_size=b)
+        engines[b] = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
+        engines[b].warmup(lambda _: None)
+    prefix, rates, outputs = (text * 2)[:256], {b: [] for b in sizes}, None
+    for _ in range(rounds):
+        for b in sizes:
+            requests = [Request(prefix + (text * 2)[i * 23 : i * 23 + 96], 48) for i in range(16)]
+            seconds, _ = serve(engines[b], requests)
+            rates[b].append(sum(len(r.tokens) for r in requests) / seconds)
+            outputs = outputs or [r.tokens for r in requests]
+            assert [r.tokens for r in requests] == outputs, f"block size {b}: different tokens"
+    out = {str(b): {"tok_s": rates[b], "median_tok_s": statistics.median(rates[b])} for b in sizes}
+    print(json.dumps({b: round(v["median_tok_s"], 1) for b, v in out.items()}))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--block-sizes", help="comma-separated block sizes: measure only their cost (see above)")
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/serve_prefix.json"))
     args = p.parse_args()
     from jaxspec import bundled
 
     pair = bundled.load_pair()
     text = [t for prompt in bundled.prompts() for t in pair[2].encode(prompt)]
+    if args.block_sizes:
+        sizes = [int(b) for b in args.block_sizes.split(",")]
+        record = {
+            "command": f"python benchmarks/serve_prefix.py --rounds {args.rounds} --block-sizes {args.block_sizes}"
+            f" --output {args.output}",
+            "load_average": os.getloadavg(),
+            "block_sizes": block_sizes(pair, text, sizes, args.rounds),
+        }
+        args.output.write_text(json.dumps(record, indent=2) + "\n")
+        return
     record = {
         "command": f"python benchmarks/serve_prefix.py --rounds {args.rounds}",
         "load_average": os.getloadavg(),
