@@ -4,11 +4,14 @@ engine step did to the requests (`StepReport`, from which the engine keeps its m
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
 from jaxspec.decoding.sampling_params import Sampling
 from jaxspec.serving.plan import TokenLogprob
+
+log = logging.getLogger("jaxspec.serving")
 
 
 @dataclasses.dataclass(eq=False)
@@ -39,6 +42,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def notify(self, new: list[int]) -> None:
+        """`on_update(self, new)`, if set."""
+        if self.on_update is None:
+            return
+        try:
+            self.on_update(self, new)
+        except Exception:  # a consumer that went away must not stop the engine (or the other requests)
+            log.exception("on_update of a request failed; ignoring")
 
 
 @dataclasses.dataclass(frozen=True)

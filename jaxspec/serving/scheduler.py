@@ -243,7 +243,7 @@ class Scheduler:
                 stopped = r.tokens and r.tokens[-1] in self.stop_ids + tuple(r.stop_ids)
                 self._finish(r, "stop" if stopped else "length", new)
             elif new:
-                _notify(r, new)
+                r.notify(new)
         return StepReport(tuple(delivered), self._take_finished())
 
     def abandon(self, reason: str, *, queued: bool = True) -> StepReport:
@@ -377,7 +377,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, new: list[int] | None = None) -> None:
         request.finish_reason, request.slot = reason, None
         self._finished.append(request)
-        _notify(request, new or [])
+        request.notify(new or [])
 
     def _take_finished(self) -> tuple[Request, ...]:
         finished, self._finished = tuple(self._finished), []
@@ -388,12 +388,3 @@ def _greedy_program_serves(request: Request) -> bool:
     """The static-greedy program can run this request's row: greedy, nothing to score and no stop ids to mask (it has
     no logits)."""
     return request.sampling.greedy and not (request.logprobs or request.echo or request.min_tokens)
-
-
-def _notify(request: Request, new: list[int]) -> None:
-    if request.on_update is None:
-        return
-    try:
-        request.on_update(request, new)
-    except Exception:  # a consumer that went away must not stop the engine (or the other requests)
-        log.exception("on_update of a request failed; ignoring")
