@@ -71,9 +71,8 @@ class Executor:
         for row in plan.free:
             self.state = _free(self.state, np.int32(row))
         for a in plan.admit:
-            init = RowInit.of(
-                a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context, a.logprobs, a.min_new
-            )
+            row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
+            init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos)
             self.state = _admit(self.state, np.int32(a.row), init)
         for chunk in plan.prefill:
             self.state = self.loop.prefill_slot(

@@ -85,6 +85,7 @@ class Request:
     logprobs: bool = False  # score each generated token (`token_logprobs`)
     echo: bool = False  # score the prompt's tokens 1.. too (`prompt_logprobs`, set before the first tokens arrive)
     min_tokens: int = 0  # stop ids (eos and the request's) cannot end it before this many tokens
+    ignore_eos: bool = False  # the model's stop ids do not end it (its own `stop_ids` still do)
     # filled in by the scheduler
     tokens: list[int] = dataclasses.field(default_factory=list)
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token (with logprobs)
@@ -174,6 +175,8 @@ class Scheduler:
             raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
         if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_tokens:
             raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {request.min_tokens!r}")
+        if not isinstance(request.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {request.ignore_eos!r}")
         seed = request.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
             raise ValueError(f"seed: expected an integer in [0, 2**32), got {request.seed!r}")
@@ -258,7 +261,7 @@ class Scheduler:
                 r.tokens.extend(new)
             if row.done:
                 self.slots[row.row] = None
-                stopped = r.tokens and r.tokens[-1] in self.stop_ids + tuple(r.stop_ids)
+                stopped = r.tokens and r.tokens[-1] in (() if r.ignore_eos else self.stop_ids) + tuple(r.stop_ids)
                 self._finish(r, "stop" if stopped else "length", new)
             elif new:
                 _notify(r, new)
@@ -309,8 +312,8 @@ class Scheduler:
             seed = request.seed if request.seed is not None else self.seeds()
             prompt, stop_ids = tuple(request.prompt), tuple(request.stop_ids)
             scored = request.logprobs or request.echo
-            budget, min_new = request.max_tokens, request.min_tokens
-            admitted.append(RowAdmission(row, prompt, budget, request.sampling, stop_ids, seed, scored, min_new))
+            extra = scored, request.min_tokens, request.ignore_eos
+            admitted.append(RowAdmission(row, prompt, request.max_tokens, request.sampling, stop_ids, seed, *extra))
             request.slot = row
             self.slots[row] = Slot(request, 0)
         return tuple(admitted)
