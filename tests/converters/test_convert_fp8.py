@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from converters.target import convert_target
 from jaxspec import CheckpointError, ConfigError, load_target
+from jaxspec.io import save_target
 from jaxspec.io.fp8 import open_checkpoint
 from jaxspec.models.moe import ROUTED_PATHS
 from jaxspec.models.quant import Fp8Array
@@ -149,6 +150,9 @@ def test_dequantize_fp8_gives_the_unquantised_model(fp8_dir, tmp_path):
     _assert_same_params(load_target(tmp_path / "out", dtype=jnp.float32), load_target(dense, dtype=jnp.float32))
     with pytest.raises(ConfigError, match=r"dequantize_fp8 applies to HF checkpoints"):
         load_target(convert_target(fp8_dir, tmp_path / "fp8", progress=False) and tmp_path / "fp8", dequantize_fp8=True)
+    # save_target writes an FP8 target's weights dequantised (exactly, in float32), as its config.json says
+    saved = save_target(load_target(fp8_dir, dtype=jnp.float32), tmp_path / "saved", dtype=jnp.float32)
+    _assert_same_params(load_target(saved, dtype=jnp.float32), load_target(dense, dtype=jnp.float32))
 
 
 def test_fp8_config_errors_are_named(fp8_dir, tmp_path):
