@@ -48,7 +48,7 @@ DTYPES: dict[str, Any] = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "F8_E5M2": ml_dtypes.float8_e5m2,
 }
-# safetensors dtype names per kind of tensor: float weights (FP8 ones are dequantised by the reader) and integers.
+# safetensors dtype names per kind of tensor: float weights (FP8 ones kept FP8 or dequantised: `Reader`) and integers.
 DTYPE_KINDS = {
     "float": ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"),
     "int": ("I64", "I32", "I16", "I8", "U8"),
