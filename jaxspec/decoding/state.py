@@ -100,6 +100,9 @@ class LoopState:
     # Per-row states: the stop ids (the config's and the row's) are masked out of the target's distribution while a
     # row has generated fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
     min_new_B: jax.Array | None = struct.field(default=None, **_axes(0))
+    # Per-row states: rows that generate past the model's stop ids (the config's; ignore_eos as vLLM applies it). Their
+    # own stop ids still stop them.
+    ignore_eos_B: jax.Array | None = struct.field(default=None, **_axes(0))  # bool
     logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
 
     # ------------------------------------------------------------------ the one constructor
@@ -168,6 +171,7 @@ class LoopState:
                 fields["row_sampling"] = RowSampling(z(jnp.float32), z(), z(jnp.float32) + 1)
                 fields["stop_ids"] = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
                 fields["min_new_B"] = z()
+                fields["ignore_eos_B"] = jnp.zeros((B,), bool)
             if lp:
                 N = MAX_TOP_LOGPROBS
                 fields["wants_logprobs_B"] = jnp.zeros((B,), bool)
@@ -209,6 +213,7 @@ class LoopState:
             row_sampling=jax.tree.map(set_, self.row_sampling, init.sampling),
             stop_ids=set_(self.stop_ids, init.stop_ids),
             min_new_B=set_(self.min_new_B, init.min_new),
+            ignore_eos_B=set_(self.ignore_eos_B, init.ignore_eos),
             wants_logprobs_B=None if self.wants_logprobs_B is None else set_(self.wants_logprobs_B, init.logprobs),
         )
 
@@ -276,6 +281,7 @@ class RowInit:
     seed: Any  # uint32
     logprobs: Any = False  # bool: the row wants logprobs (written only into a state built with them)
     min_new: Any = 0  # int32: tokens generated before a stop id may be
+    ignore_eos: Any = False  # bool: the config's stop ids do not stop the row
 
     @classmethod
     def of(
@@ -288,6 +294,7 @@ class RowInit:
         context: int,
         logprobs: bool = False,
         min_new: int = 0,
+        ignore_eos: bool = False,
     ) -> RowInit:
         """A request's row for a state of `context` positions (validated by the caller: it fits)."""
         tokens = np.zeros((context,), np.int32)
@@ -298,7 +305,7 @@ class RowInit:
             np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
         )
         row = (np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
-        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new))
+        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new), np.bool_(ignore_eos))
 
 
 @jax.jit

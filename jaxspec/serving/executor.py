@@ -98,9 +98,8 @@ class Executor:
                 self.tables[b.row, : len(b.blocks)] = b.blocks
             self._tables = put_global(self.tables.copy(), self.state.tokens_BS.sharding)
         for a in plan.admit:
-            init = RowInit.of(
-                a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context, a.logprobs, a.min_new
-            )
+            row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
+            init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos)
             self.state = _admit(self.state, np.int32(a.row), init)
             if a.cached:  # its prefill starts past the cached prefix: its key as if the chunks before had run
                 self.state = _skip_prefill(self.state, np.int32(a.row), np.int32(a.cached // self.prefill_chunk))

@@ -55,6 +55,7 @@ class RowAdmission:
     seed: int = 0  # the row's random key is jax.random.key(seed); drawn by the scheduler when the request has none
     logprobs: bool = False  # the row's tokens (and prompt) are scored: segments run the per-row program
     min_new: int = 0  # stop ids are masked until the row has this many new tokens (per-row program)
+    ignore_eos: bool = False  # the model's stop ids do not stop the row (its own stop ids still do)
     cached: int = 0  # prompt positions reused from the prefix cache (a multiple of the prefill chunk), not prefilled
 
     def __post_init__(self):
@@ -69,8 +70,9 @@ class RowAdmission:
         _int("RowAdmission", "seed", self.seed, 0, 2**32 - 1)
         _int("RowAdmission", "min_new", self.min_new, 0, self.max_new)
         _int("RowAdmission", "cached", self.cached, 0, len(self.prompt) - 1)
-        if not isinstance(self.logprobs, bool):
-            raise ValueError(f"RowAdmission.logprobs: expected a bool, got {self.logprobs!r}")
+        for name in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RowAdmission.{name}: expected a bool, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -81,7 +83,7 @@ class RowAdmission:
     def from_dict(cls, d: dict[str, Any]) -> RowAdmission:
         sampling = Sampling(**d["sampling"])
         prompt, stop_ids = tuple(d["prompt"]), tuple(d["stop_ids"])
-        extra = d.get("logprobs", False), d.get("min_new", 0), d.get("cached", 0)
+        extra = d.get("logprobs", False), d.get("min_new", 0), d.get("ignore_eos", False), d.get("cached", 0)
         return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], *extra)
 
 

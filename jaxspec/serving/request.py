@@ -28,6 +28,7 @@ class Request:
     logprobs: bool = False  # score each generated token (`token_logprobs`)
     echo: bool = False  # score the prompt's tokens 1.. too (`prompt_logprobs`, set before the first tokens arrive)
     min_tokens: int = 0  # stop ids (eos and the request's) cannot end it before this many tokens
+    ignore_eos: bool = False  # the model's stop ids do not end it (its own `stop_ids` still do)
     # filled in by the scheduler
     tokens: list[int] = dataclasses.field(default_factory=list)
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token (with logprobs)

@@ -154,6 +154,8 @@ class Scheduler:
             raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
         if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_tokens:
             raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {request.min_tokens!r}")
+        if not isinstance(request.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {request.ignore_eos!r}")
         seed = request.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
             raise ValueError(f"seed: expected an integer in [0, 2**32), got {request.seed!r}")
@@ -240,7 +242,7 @@ class Scheduler:
             if row.done:
                 self.slots[row.row] = None
                 self.tables.release(row.row)
-                stopped = r.tokens and r.tokens[-1] in self.stop_ids + tuple(r.stop_ids)
+                stopped = r.tokens and r.tokens[-1] in (() if r.ignore_eos else self.stop_ids) + tuple(r.stop_ids)
                 self._finish(r, "stop" if stopped else "length", new)
             elif new:
                 r.notify(new)
@@ -305,7 +307,7 @@ class Scheduler:
                 request.seed = self.seeds()  # kept: a resumed request draws from the same seed
             scored, stop_ids = request.logprobs or request.echo, tuple(request.stop_ids)
             budget, min_new = request.max_tokens - have, max(request.min_tokens - have, 0)
-            row_init = (request.sampling, stop_ids, request.seed, scored, min_new, cached)
+            row_init = (request.sampling, stop_ids, request.seed, scored, min_new, request.ignore_eos, cached)
             admitted.append(RowAdmission(row, prompt, budget, *row_init))
             request.slot = row
             self.slots[row] = Slot(request, cached, next(self._admissions))

@@ -78,7 +78,8 @@ class FakeRow:
     def emit(self) -> None:
         a = self.admission
         self.tokens.append(token(a.seed, self.generated()))
-        self.done = self.tokens[-1] in (EOS, *a.stop_ids) or self.generated() >= a.max_new
+        stops = a.stop_ids if a.ignore_eos else (EOS, *a.stop_ids)
+        self.done = self.tokens[-1] in stops or self.generated() >= a.max_new
 
 
 class FakeExecutor:
@@ -349,6 +350,28 @@ def test_a_greedy_row_that_needs_logits_runs_the_per_row_program(asks):
         assert not plan.segment.greedy and not any(x.prompt for x in plan.read)
 
 
+def test_ignore_eos_is_the_rows_own_flag():
+    """ignore_eos goes to the device in the admission (the row generates past the model's eos, its own stop ids still
+    end it), and a row that ran to its budget finishes "length" even when its last token is the eos."""
+    seed = next(s for s in range(VOCAB) if EOS in [token(s, i) for i in range(4)])
+    plain, through = Request([1] * 3, 12, seed=seed), Request([1] * 3, 12, seed=seed, ignore_eos=True)
+    scheduler, executor = make(), FakeExecutor(Shape())
+    for r in (plain, through):
+        scheduler.submit(r)
+    plans = drain(scheduler, executor)
+    assert [a.ignore_eos for p in plans for a in p.admit] == [False, True]
+    assert plain.tokens == expected([1] * 3, 12, seed) and plain.finish_reason == "stop"
+    assert through.tokens == [token(seed, i) for i in range(12)] and through.finish_reason == "length"
+    assert EOS in through.tokens[:4]
+    ends = next(s for s in range(VOCAB) if token(s, 1) == EOS and EOS not in (token(s, 0),))
+    last = Request([1] * 3, 2, seed=ends, ignore_eos=True)
+    scheduler.submit(last)
+    drain(scheduler, executor)
+    assert last.tokens[-1] == EOS and last.finish_reason == "length"
+    with pytest.raises(ValueError, match="ignore_eos: expected a bool"):
+        scheduler.submit(Request([1] * 3, 2, ignore_eos=1))
+
+
 def test_seeds_are_drawn_by_the_scheduler_and_written_into_the_plan():
     drawn = iter([77, 78, 79])
     scheduler = make(seeds=lambda: next(drawn))
@@ -399,7 +422,7 @@ def test_plan_and_result_round_trip_through_bytes():
         free=(3, 1),
         admit=(
             RowAdmission(1, (5, 6, 7), 9, Sampling(0.1, top_k=40, top_p=0.95), (11, 12), 2**32 - 1),
-            RowAdmission(3, (8,) * 70, 4, logprobs=True, min_new=2, cached=64),
+            RowAdmission(3, (8,) * 70, 4, logprobs=True, min_new=2, ignore_eos=True, cached=64),
         ),
         prefill=(PrefillChunk(1, 0), PrefillChunk(2, 64)),
         segment=Segment(4, 256, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
