@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="non-expert weight dtype")
     t.add_argument("--mesh", default=None, help="check the model fits this mesh (DATAxMODEL, e.g. 1x8)")
     t.add_argument("--verify", action="store_true", help="re-read a sample of tensors from both sides and compare")
+    t.add_argument(
+        "--dequantize-fp8",
+        action="store_true",
+        help="write a block-FP8 checkpoint's weights dequantised to --dtype (default: kept FP8 with their scales)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     d = sub.add_parser("export-drafter", help="EAGLE-3 drafter -> SGLang or speculators layout")
@@ -76,7 +81,14 @@ def _target(args: argparse.Namespace) -> None:
         from sharding.mesh import make_mesh
 
         check_mesh(open_source(Path(args.src))[0], make_mesh(args.mesh), _default_rules())
-    r = convert_target(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress, verify=args.verify)
+    r = convert_target(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+        verify=args.verify,
+        dequantize_fp8=args.dequantize_fp8,
+    )
     print(
         f"wrote {len(r.written)} group(s) ({r.bytes_written / 2**30:.3f} GiB), skipped {len(r.skipped)} already "
         f"complete; skipped {r.skipped_vision} vision and {r.skipped_mtp} MTP tensor(s)"

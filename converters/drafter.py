@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxspec.config import KimiConfig
 from jaxspec.io import Target, load_drafter, save_drafter
-from jaxspec.io.orbax import flatten_int4, group_dir, read_marker
+from jaxspec.io.orbax import flatten_quant, group_dir, read_marker
 
 TOP = ("embed", "final_norm", "lm_head")
 
@@ -33,7 +33,7 @@ def target_for_drafter(path: str | Path, *, dtype=jnp.bfloat16) -> Target:
     cfg, reader = (KimiConfig.from_pretrained(path), None) if converted else open_source(path)[:2]
     int4 = cfg.quant is not None
     abstract = Target.abstract(cfg, dtype=dtype, int4_experts=int4)
-    wanted = {k: flatten_int4(abstract.params[k].get_value()) for k in TOP}
+    wanted = {k: flatten_quant(abstract.params[k].get_value()) for k in TOP}
     if reader is None:
         top = ocp.StandardCheckpointer().restore(group_dir(path, "top"), wanted)
     else:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -42,7 +43,9 @@ from jaxspec.io.hf import (
     expected_tensors,
     is_ignorable,
     layer_table,
+    model_fp8_blocks,
     read_float_experts,
+    read_fp8_experts,
     read_layer,
     top_table,
 )
@@ -52,13 +55,14 @@ from jaxspec.io.orbax import (
     PLAN,
     VERSION,
     done_file,
-    flatten_int4,
+    flatten_quant,
     group_dir,
     group_names,
     is_group_complete,
     layer_group,
     stack_of,
 )
+from jaxspec.models.quant import Fp8Array
 from jaxspec.pytree import flatten, set_path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
@@ -84,16 +88,18 @@ def convert_target(
     progress: bool = True,
     verify: bool = False,
     on_group_written: Callable[[str], None] | None = None,
+    dequantize_fp8: bool = False,
 ) -> ConvertReport:
     """Convert the HF checkpoint in `src` to an Orbax checkpoint in `dst` (resuming a previous run into `dst`).
 
-    `dtype` is the storage dtype of non-expert weights (INT4 experts stay INT4 with their stored scales).
+    `dtype` is the storage dtype of unquantised weights: INT4 experts stay INT4 and block-FP8 weights stay FP8, each
+    with its stored scales and values bit for bit (`dequantize_fp8=True`: FP8 weights dequantised to `dtype`).
     `on_group_written(name)` is called after each group is finalized (progress hooks, tests).
     """
     src, dst = Path(src), Path(dst)
     if (dst / MARKER).is_file():
         raise FileExistsError(f"{dst} already holds a complete conversion ({MARKER}); remove it to convert again")
-    cfg, reader, dequantized = open_source(src, dtype)
+    cfg, reader, dequantized = open_source(src, dtype, dequantize_fp8)
     int4 = cfg.quant is not None
     mtp = check_names(reader, cfg, int4, src)
 
@@ -171,7 +177,7 @@ def _write_groups(
 
     def load(name: str) -> tuple[dict[str, Any], list[np.ndarray]]:
         owned = buffers.taken()
-        tree = _contiguous(flatten_int4(read_group(reader, cfg, name, int4, dtype, buffers)), buffers)
+        tree = _contiguous(flatten_quant(read_group(reader, cfg, name, int4, dtype, buffers)), buffers)
         buffers.drop()  # what this group did not reuse is not needed any more
         reader.ckpt.release()
         if reader.problems:
@@ -243,15 +249,18 @@ class _Buffers:
         self.free.clear()
 
 
-def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, Reader, dict[str, Any] | None]:
-    """(config, lazy reader, dequantised config.json or None): FP8 block checkpoints are read dequantised to `dtype`
-    (one rounding of the float32 product, as DeepSeek's `weight_dequant`)."""
+def open_source(
+    src: Path, dtype: str = "float32", dequantize_fp8: bool = False
+) -> tuple[KimiConfig, Reader, dict[str, Any] | None]:
+    """(config, lazy reader, dequantised config.json or None): FP8 block weights are read as stored, or with
+    `dequantize_fp8` dequantised to `dtype` (one rounding of the float32 product, as DeepSeek's `weight_dequant`)."""
     raw_path = src / "config.json"
     if not raw_path.is_file():
         raise FileNotFoundError(f"config.json not found in {src}")
     raw = json.loads(raw_path.read_text())
     cfg, ckpt = KimiConfig.from_hf_config(raw), open_checkpoint(src, np.dtype(jnp.dtype(dtype)))
-    dequantized = dequantized_config(raw) if fp8_block(raw) is not None else None
+    dequantized = dequantized_config(raw) if dequantize_fp8 and fp8_block(raw) is not None else None
+    cfg = cfg.replace(fp8=None) if dequantize_fp8 else cfg
     root = src.resolve()
     outside = sorted({str(f) for f in set(ckpt.files.values()) if not f.resolve().is_relative_to(root)})
     if outside:
@@ -262,15 +271,15 @@ def open_source(src: Path, dtype: str = "float32") -> tuple[KimiConfig, Reader, 
                 pass
         except Exception as e:  # safetensors raises its own error type, naming no file
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
-    return cfg, Reader(ckpt), dequantized
+    return cfg, Reader(ckpt, model_fp8_blocks(cfg, cfg.quant is not None)), dequantized
 
 
 def read_group(
     reader: Reader, cfg: KimiConfig, name: str, int4: bool, dtype: np.dtype, buffers: _Buffers | None = None
 ) -> dict[str, Any]:
     """The parameters of one group as stored: a nested dict of numpy arrays cast to `dtype` (Int4Array for INT4
-    experts). Float routed experts keep the checkpoint's [E, out, in] layout (see `jaxspec.io.orbax`), read straight
-    into (reused) `buffers`."""
+    experts, Fp8Array for FP8 weights). Float and FP8 routed experts keep the checkpoint's [E, out, in] layout (see
+    `jaxspec.io.orbax`), read straight into (reused) `buffers`."""
     dtype, cast = np.dtype(dtype), caster(dtype)
     if name == "top":
         return reader.rows(top_table(cfg), cast)
@@ -279,7 +288,12 @@ def read_group(
     if int4 or not moe:
         return read_layer(reader, cfg, layer, moe, int4, dtype)
     out = reader.rows(layer_table(cfg, True), cast, prefix=f"model.layers.{layer}.")
-    for proj, stack in read_float_experts(reader, cfg, layer, dtype, (buffers or _Buffers()).take).items():
+    take = (buffers or _Buffers()).take
+    if reader.fp8_blocks:
+        for proj, parts in read_fp8_experts(reader, cfg, layer, take).items():
+            set_path(out, ("mlp", proj), None if parts is None else Fp8Array(*parts, cfg.fp8.block))
+        return out
+    for proj, stack in read_float_experts(reader, cfg, layer, dtype, take).items():
         set_path(out, ("mlp", proj), stack)
     return out
 
@@ -314,7 +328,7 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
     """
     src, dst = Path(src), Path(dst)
     plan = json.loads((dst / PLAN).read_text())
-    cfg, reader, _ = open_source(src, plan["dtype"])
+    cfg, reader, _ = open_source(src, plan["dtype"], plan.get("dequantized_fp8", False))
     int4 = cfg.quant is not None
     n = cfg.num_hidden_layers
     # First, last, first MoE and middle layer, in that priority.
@@ -322,7 +336,7 @@ def verify_conversion(src: str | Path, dst: str | Path, *, sample: int = 3) -> l
     groups = ["top"] + [layer_group(i) for i in layers]
     ck, problems = ocp.StandardCheckpointer(), []
     for name in groups:
-        ref = dict(flatten(flatten_int4(read_group(reader, cfg, name, int4, np.dtype(jnp.dtype(plan["dtype"]))))))
+        ref = dict(flatten(flatten_quant(read_group(reader, cfg, name, int4, np.dtype(jnp.dtype(plan["dtype"]))))))
         got = dict(flatten(ck.restore(group_dir(dst, name))))
         for key in sorted(set(ref) | set(got)):
             label = f"{name}/{'.'.join(key)}"
@@ -353,7 +367,7 @@ def _group_bytes(cfg: KimiConfig, dtype, int4: bool) -> dict[str, int]:
     counts["moe_layers"] = cfg.num_hidden_layers - counts["dense_layers"]
     per_layer = dict.fromkeys(counts, 0)
     for path, var in nnx.to_flat_state(abstract):
-        nbytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in _leaves(var.get_value()))
+        nbytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(var.get_value()))
         if path[0] in per_layer:
             per_layer[path[0]] += nbytes // max(counts[path[0]], 1)
         else:
@@ -361,10 +375,6 @@ def _group_bytes(cfg: KimiConfig, dtype, int4: bool) -> dict[str, int]:
     for i in range(cfg.num_hidden_layers):
         out[layer_group(i)] = per_layer[stack_of(cfg, i)[0]]
     return out
-
-
-def _leaves(v) -> list:
-    return [v.packed, v.scale] if hasattr(v, "packed") else [v]
 
 
 def source_fingerprint(src: Path, weight_files) -> dict[str, list]:

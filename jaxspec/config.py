@@ -53,6 +53,14 @@ class Int4Quant:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Quant:
+    """Block-FP8 linear weights (DeepSeek-V3's `quant_method: fp8`): float8_e4m3fn values, one float32 scale
+    (`weight_scale_inv`) per `block` = (rows, cols) of PyTorch's [out, in] weight (jaxspec/models/quant.py)."""
+
+    block: tuple[int, int] = (128, 128)
+
+
+@dataclasses.dataclass(frozen=True)
 class KimiConfig:
     """The text model of Kimi-K2.5 / K2 / DeepSeek-V3 (DeepseekV3ForCausalLM semantics)."""
 
@@ -80,6 +88,8 @@ class KimiConfig:
     max_position_embeddings: int
     rope_scaling: RopeScaling | None = None
     quant: Int4Quant | None = None
+    # block-FP8 attention, dense/shared MLP and routed-expert weights, kept FP8 on the device (None: unquantised)
+    fp8: Fp8Quant | None = None
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -210,7 +220,8 @@ class KimiConfig:
         nextn = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
 
         rope_theta, rope_scaling = read_rope(cfg)
-        quant = _read_quant(cfg.get("quantization_config") or top.get("quantization_config"))
+        quant_config = cfg.get("quantization_config") or top.get("quantization_config")
+        quant, fp8 = _read_quant(quant_config), read_fp8(quant_config)
 
         def top_or_text(name: str) -> Any:
             v = top.get(name, cfg.get(name))
@@ -241,6 +252,7 @@ class KimiConfig:
             max_position_embeddings=req("max_position_embeddings"),
             rope_scaling=rope_scaling,
             quant=quant,
+            fp8=fp8,
             tie_word_embeddings=bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
             bos_token_id=top_or_text("bos_token_id"),
             eos_token_id=top_or_text("eos_token_id"),
@@ -363,11 +375,29 @@ def read_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def read_fp8(q: Mapping[str, Any] | None) -> Fp8Quant | None:
+    """The block-FP8 scheme of a `quantization_config` (None for any other method, or none)."""
+    if not q or q.get("quant_method") != "fp8":
+        return None
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"quantization_config.fmt: {q.get('fmt')!r} is not supported (expected 'e4m3')")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ConfigError(f"quantization_config.weight_block_size: expected [rows, cols], got {block!r}")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(
+            f"quantization_config.activation_scheme: {q['activation_scheme']!r} is not supported (expected "
+            "'dynamic': activations stay in the compute dtype)"
+        )
+    return Fp8Quant(block=(block[0], block[1]))
+
+
 def _read_quant(q: Mapping[str, Any] | None) -> Int4Quant | None:
+    """The INT4 routed-expert scheme (compressed-tensors) of a `quantization_config`; None for none or FP8."""
     if not q:
         return None
     method = q.get("quant_method")
-    if method == "fp8":  # block-FP8 weights are dequantised on read (jaxspec/fp8.py): the model is unquantised
+    if method == "fp8":  # block FP8 (`read_fp8`), not the INT4 experts' scheme
         return None
     if method != "compressed-tensors":
         raise ConfigError(
@@ -474,6 +504,52 @@ _MOONLIGHT = KimiConfig(
     eos_token_id=163585,
 )
 
+# DeepSeek-V3 (https://huggingface.co/deepseek-ai/DeepSeek-V3, config.json; DeepSeek-R1 and V3-0324 share every field
+# here): 61 layers (3 dense), 128 heads, 256 routed experts top-8 in 8 groups (4 kept) + 1 shared, yarn x40, and the
+# FP8 block quantisation its weights ship in (128x128 e4m3 blocks, dynamic activations). The Hub file is not in the
+# searchable corpora; checked value by value (2026-12-03) against: deepseek-ai/DeepSeek-V3's README_WEIGHTS.md (the
+# quantization_config, 61 main layers + 1 MTP layer: num_nextn_predict_layers 1), a field-by-field description of
+# deepseek-ai/DeepSeek-V3-Base/blob/main/config.json (https://gist.github.com/vinhnx/40eaf98b4bb51f0770276020a690bad5:
+# vocabulary 129280, 163840 positions, rope_theta 10000, yarn factor 40, mscale 1.0), and DeepSeek-R1's config.json as
+# quoted in a public model card (bos 0, eos 1, first_k_dense_replace 3). Copies of the file with shuffled keys exist on
+# the web; none was used.
+_DEEPSEEK_V3 = KimiConfig(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    first_k_dense_replace=3,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=163840,
+    rope_scaling=RopeScaling(
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    fp8=Fp8Quant(block=(128, 128)),
+    bos_token_id=0,
+    eos_token_id=1,
+    num_nextn_predict_layers=1,
+)
+
 # Small configs with the same structure, for tests and examples. "tiny" is Kimi-like (n_group 1, sigmoid routing,
 # yarn beta_fast 32); "tiny-dsv3" is DeepSeek-V3-like (group-limited routing, n_group 4 / topk_group 2).
 _TINY = KimiConfig(
@@ -514,6 +590,7 @@ _TINY = KimiConfig(
 
 PRESETS: dict[str, KimiConfig] = {
     "kimi-k2.5": _KIMI_K25,
+    "deepseek-v3": _DEEPSEEK_V3,
     "moonlight-16b-a3b": _MOONLIGHT,
     "tiny": _TINY,
     "tiny-dsv3": _TINY.replace(

@@ -185,6 +185,56 @@ def test_moonlight_config_reads_as_the_preset():
     assert KimiConfig.from_hf_config(MOONLIGHT) == KimiConfig.preset("moonlight-16b-a3b")
 
 
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3; sources in the preset's comment, jaxspec/config.py): every field
+# the loader reads.
+DEEPSEEK_V3 = {
+    **{k: v for k, v in MOONLIGHT.items() if k not in ("seq_aux", "pretraining_tp")},
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "first_k_dense_replace": 3,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "topk_group": 4,
+    "vocab_size": 129280,
+}
+
+
+def test_deepseek_v3_config_reads_as_the_preset():
+    assert KimiConfig.from_hf_config(DEEPSEEK_V3) == KimiConfig.preset("deepseek-v3")
+    static = {**DEEPSEEK_V3, "quantization_config": {**DEEPSEEK_V3["quantization_config"], "activation_scheme": "x"}}
+    with pytest.raises(ConfigError, match=r"^quantization_config\.activation_scheme: 'x' is not supported"):
+        KimiConfig.from_hf_config(static)
+
+
 def test_mtp_layer_count_is_read():
     assert KimiConfig.from_hf_config({**MOONLIGHT, "num_nextn_predict_layers": 1}).num_nextn_predict_layers == 1
     mtp = {**{k: v for k, v in MOONLIGHT.items() if k != "num_nextn_predict_layers"}, "num_mtp_layers": 2}

@@ -31,6 +31,7 @@ def _outputs(cell) -> str:
     return "".join(parts)
 
 
+@pytest.mark.slow  # ~2.5 min on 2 cores (generate, a k = 0..3 tune and training on 8 simulated devices): -m slow
 @pytest.mark.timeout(900)
 def test_colab_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's work directory (tempfile.mkdtemp) goes here

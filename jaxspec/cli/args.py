@@ -50,7 +50,9 @@ def add_drafter_arg(p: argparse.ArgumentParser, help: str) -> None:
 def add_target_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None:
     """--model, --preset, --mesh, --dtype and (with `devices`) --devices: the target flags of most commands."""
     add_model_arg(p)
-    p.add_argument("--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5")
+    p.add_argument(
+        "--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5, deepseek-v3"
+    )
     add_mesh_arg(p)
     if devices:
         p.add_argument(

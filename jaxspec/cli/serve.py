@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The EngineConfig fields that have a help text, as --<field-name> flags with the config's defaults (a tuple
-    field takes comma-separated integers)."""
+    field takes comma-separated integers; a bool field, on by default, is turned off by --no-<field-name>)."""
     import typing
 
     from jaxspec.serving.engine import EngineConfig
@@ -77,7 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if "help" not in f.metadata:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if hints[f.name] is int:
+        if hints[f.name] is bool:  # on by default: --no-<field-name> turns it off
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=f"don't {f.metadata['help']}")
+        elif hints[f.name] is int:
             p.add_argument(flag, type=int, default=f.default, help=f.metadata["help"] + " (%(default)s)")
         else:  # tuple[int, ...]
             p.add_argument(flag, default="", help=f.metadata["help"])
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             except LostLeader as e:
                 raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
             return 0
-    metrics = Metrics(config.draft, config.max_batch)
+    metrics = Metrics(config.draft, config.max_batch, pool_blocks=config.pool_blocks)
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel)
     engine.warmup(log.info)
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)

@@ -83,7 +83,7 @@ class SpecLoop:
     def _ends_at_first(self, cfg: LoopConfig, s: LoopState) -> jax.Array:
         """Rows [B] whose first generated token ends them (a stop id, or a budget of one token)."""
         first_B = jnp.take_along_axis(s.tokens_BS, s.prompt_len_B[:, None], axis=1)[:, 0]
-        return _is_stop(first_B, cfg, s.stop_ids) | (s.max_new_B <= 1)
+        return _is_stop(first_B, cfg, s) | (s.max_new_B <= 1)
 
     def _prefill_chunk(self, cfg: LoopConfig, tparams, dparams, s: LoopState, start) -> LoopState:
         """Prompt positions start..start+chunk of every row into the caches. A row whose last prompt position falls
@@ -96,7 +96,7 @@ class SpecLoop:
         chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, chunk, axis=1)
         out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, s.target_cache, cfg)
         # The first generated token comes from the last prompt position, if it falls in this chunk.
-        key, k1, k2 = _split(s.key, 3)
+        key, k1, k2 = _split(s.key, PREFILL_KEYS)
         in_chunk_B = (last_B >= start) & (last_B < start + chunk)
         row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
@@ -408,7 +408,7 @@ def commit(cfg: LoopConfig, s: LoopState, draft_BJ, accepted_B, next_B):
     n_B = s.length_B
     idx_T = jnp.arange(J + 1, dtype=jnp.int32)
     emitted_BT = jnp.where(idx_T < accepted_B[:, None], jnp.pad(draft_BJ, ((0, 0), (0, 1))), next_B[:, None])
-    stop_BT = _is_stop(emitted_BT, cfg, s.stop_ids) & (idx_T <= accepted_B[:, None])
+    stop_BT = _is_stop(emitted_BT, cfg, s) & (idx_T <= accepted_B[:, None])
     first_stop_B = jnp.where(stop_BT.any(1), jnp.argmax(stop_BT, axis=1), J + 1)
     budget_B = s.max_new_B - (s.end_B - s.prompt_len_B)
     keep_B = jnp.minimum(jnp.minimum(accepted_B + 1, first_stop_B + 1), budget_B)
@@ -434,6 +434,8 @@ def mask_stops(cfg: LoopConfig, s: LoopState, logits_BTV, generated_BT):
 
     def mask(logits_BTV):
         stop_BV = jnp.zeros((B, V), bool).at[:, jnp.asarray(cfg.stop_ids or (V,))].set(True, mode="drop")
+        if s.ignore_eos_B is not None:  # those rows are not stopped by the config's ids: nothing to hold back
+            stop_BV = stop_BV & ~s.ignore_eos_B[:, None]
         row_ids = jnp.where(s.stop_ids >= 0, s.stop_ids, V)  # -1 (none) out of range: dropped
         stop_BV = stop_BV.at[jnp.arange(B)[:, None], row_ids].set(True, mode="drop")
         return jnp.where(early_BT[:, :, None] & stop_BV[:, None, :], -jnp.inf, logits_BTV)
@@ -499,6 +501,15 @@ def _sampling(cfg: LoopConfig, s: LoopState) -> Sampling | RowSampling:
     return cfg.sampling if cfg.sampling is not None else s.row_sampling
 
 
+PREFILL_KEYS = 3  # keys a prefill chunk splits from each row's key (the row keeps the first)
+
+
+def key_after_prefill(key: jax.Array, chunks) -> jax.Array:
+    """One row's key after `chunks` prefill chunks: what a row that reuses a cached prefix starts from, so its draws
+    are those of the row that prefilled every chunk (traceable; `chunks` may be traced)."""
+    return jax.lax.fori_loop(0, chunks, lambda _, k: jax.random.split(k, PREFILL_KEYS)[0], key)
+
+
 def _split(key: jax.Array, n: int) -> jax.Array:
     """n keys from `key`: [n] from one key, [n, B] from per-row keys [B] (each row split on its own)."""
     if key.ndim == 0:
@@ -523,9 +534,13 @@ def _speculative_accept(key, draft_BJ, q_BJV, p_BTV):
     return accepted_B1[:, 0], next_B1[:, 0]
 
 
-def _is_stop(tokens_B_: jax.Array, cfg: LoopConfig, stop_ids: jax.Array | None) -> jax.Array:
-    """Which tokens [B, ...] are stop ids: the config's, plus each row's own (`stop_ids` [B, n], -1 padded) if given."""
+def _is_stop(tokens_B_: jax.Array, cfg: LoopConfig, s: LoopState) -> jax.Array:
+    """Which tokens [B, ...] stop their row: the config's stop ids (except in ignore_eos rows), plus each row's own
+    (`s.stop_ids` [B, n], -1 padded) in a per-row state."""
     stop = jnp.isin(tokens_B_, jnp.asarray(cfg.stop_ids or (-1,)))
+    if s.ignore_eos_B is not None:
+        stop = stop & ~s.ignore_eos_B.reshape(s.ignore_eos_B.shape + (1,) * (tokens_B_.ndim - 1))
+    stop_ids = s.stop_ids
     if stop_ids is None:
         return stop
     row_ids = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens_B_.ndim - 1) + stop_ids.shape[1:])

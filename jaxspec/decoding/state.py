@@ -105,6 +105,9 @@ class LoopState:
     # Per-row states: the stop ids (the config's and the row's) are masked out of the target's distribution while a
     # row has generated fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
     min_new_B: jax.Array | None = struct.field(default=None, **_axes(0))
+    # Per-row states: rows that generate past the model's stop ids (the config's; ignore_eos as vLLM applies it). Their
+    # own stop ids still stop them.
+    ignore_eos_B: jax.Array | None = struct.field(default=None, **_axes(0))  # bool
     logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
     # Lazy drafter (a state built with `lazy_drafter`, for plain and chain programs on one state): the captured target
     # states at each position [B, S, X*D] that plain cycles keep, and how far the drafter has run (int32 [B]: its cache,
@@ -127,13 +130,15 @@ class LoopState:
         seed: int = 0,
         logprobs: bool = False,
         lazy_drafter: bool = False,
+        caches: bool = True,
     ) -> LoopState:
         """A state of `batch` rows and `context` positions with every row done (free), replicated on the target's
         mesh. `per_row`: per-row sampling (greedy), stop ids (none) and keys (split from seed `seed`, until a
         request is admitted there); else one key from `seed`. `greedy`: every program run on this state is greedy,
         so a chain keeps no draft distribution. `logprobs` (per-row only): the logprob buffers (`Logprobs`, 164
         bytes per position and row). The drafter's cache exists when the draft uses the drafter; `lazy_drafter` (a
-        chain): the fields that let plain cycles leave the drafter behind (aux_BSI, drafted_B)."""
+        chain): the fields that let plain cycles leave the drafter behind (aux_BSI, drafted_B). Without `caches`
+        neither cache is made (None): the serving executor keeps them in its pool of blocks."""
         use_drafter = drafter is not None and not draft.plain
         D = drafter.config.hidden_size if use_drafter else 1
         V = 1
@@ -146,14 +151,19 @@ class LoopState:
         if logprobs and not per_row:
             raise ValueError("LoopState.empty: logprobs needs per_row (rows ask for them one by one)")
         rows = cls._rows(target.mesh, batch, context, D, V, J, hidden_dtype, per_row, seed, logprobs)
-        draft_cache = drafter.init_cache(batch, context) if use_drafter else None
+        draft_cache = drafter.init_cache(batch, context) if use_drafter and caches else None
+        target_cache = target.init_cache(batch, context) if caches else None
         lazy = {}
         if lazy_drafter and use_drafter and not draft.tree:
             width = len(drafter.capture_layers) * drafter.config.target_hidden_size
-            aux = jnp.zeros((batch, context, width), target.dtype)
-            lazy = dict(aux_BSI=aux, drafted_B=jnp.zeros((batch,), jnp.int32))
-            lazy = jax.device_put(lazy, NamedSharding(target.mesh, PartitionSpec()))
-        return cls(target_cache=target.init_cache(batch, context), draft_cache=draft_cache, **rows, **lazy)
+
+            def make():
+                aux = jnp.zeros((batch, context, width), target.dtype)
+                return dict(aux_BSI=aux, drafted_B=jnp.zeros((batch,), jnp.int32))
+
+            # made by a program (not device_put), so a mesh spanning processes gets its shards on every process
+            lazy = jax.jit(make, out_shardings=NamedSharding(target.mesh, PartitionSpec()))()
+        return cls(target_cache=target_cache, draft_cache=draft_cache, **rows, **lazy)
 
     @staticmethod
     def _rows(mesh, B: int, S: int, D: int, V: int, J: int, hidden_dtype, per_row: bool, seed: int, lp: bool) -> dict:
@@ -183,6 +193,7 @@ class LoopState:
                 fields["row_sampling"] = RowSampling(z(jnp.float32), z(), z(jnp.float32) + 1)
                 fields["stop_ids"] = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
                 fields["min_new_B"] = z()
+                fields["ignore_eos_B"] = jnp.zeros((B,), bool)
             if lp:
                 N = MAX_TOP_LOGPROBS
                 fields["wants_logprobs_B"] = jnp.zeros((B,), bool)
@@ -224,6 +235,7 @@ class LoopState:
             row_sampling=jax.tree.map(set_, self.row_sampling, init.sampling),
             stop_ids=set_(self.stop_ids, init.stop_ids),
             min_new_B=set_(self.min_new_B, init.min_new),
+            ignore_eos_B=set_(self.ignore_eos_B, init.ignore_eos),
             wants_logprobs_B=None if self.wants_logprobs_B is None else set_(self.wants_logprobs_B, init.logprobs),
         )
 
@@ -291,6 +303,7 @@ class RowInit:
     seed: Any  # uint32
     logprobs: Any = False  # bool: the row wants logprobs (written only into a state built with them)
     min_new: Any = 0  # int32: tokens generated before a stop id may be
+    ignore_eos: Any = False  # bool: the config's stop ids do not stop the row
 
     @classmethod
     def of(
@@ -303,6 +316,7 @@ class RowInit:
         context: int,
         logprobs: bool = False,
         min_new: int = 0,
+        ignore_eos: bool = False,
     ) -> RowInit:
         """A request's row for a state of `context` positions (validated by the caller: it fits)."""
         tokens = np.zeros((context,), np.int32)
@@ -313,7 +327,7 @@ class RowInit:
             np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
         )
         row = (np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
-        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new))
+        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new), np.bool_(ignore_eos))
 
 
 @jax.jit

@@ -2,7 +2,7 @@
 
 hf.py                  HF safetensors reading and the target's name table (both directions)
 direct.py              O_DIRECT reads and writes, with the buffered fallback
-fp8.py                 FP8 block-quantised checkpoints, read dequantised; one-read safetensors access
+fp8.py                 FP8 block-quantised checkpoints, read as FP8 or dequantised; one-read safetensors access
 compressed_tensors.py  the compressed-tensors INT4 "pack-quantized" codec
 export.py              writing a target as an HF DeepseekV3 checkpoint (INT4 experts)
 drafter_config.py      EAGLE-3 drafter config.json (SGLang, speculators, MLA): read, checked against the target, written

@@ -165,9 +165,10 @@ def _read_mla(layer: Mapping[str, Any], target: KimiConfig, D: int, N: int, prob
         problems.append(f"num_key_value_heads: MLA expects {N} (= num_attention_heads), got {kv_heads}")
     try:
         theta, scaling = read_rope(layer)
-        return target.replace(
+        return target.replace(  # the drafter's attention weights are unquantised, whatever the target's
             hidden_size=D,
             num_attention_heads=N,
+            fp8=None,
             rope_theta=theta,
             rope_scaling=scaling,
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),

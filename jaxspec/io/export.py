@@ -171,8 +171,8 @@ def _experts(cfg: KimiConfig, layer: int, proj: str, w: Any, cast) -> dict[str, 
 def save_target(target, path: str | Path, *, tokenizer_dir: str | Path | None = None, dtype=jnp.bfloat16) -> Path:
     """Write `target` to `path` as config.json + model.safetensors (+ the tokenizer files found in `tokenizer_dir`).
 
-    Non-expert weights are written in `dtype`; routed experts as INT4 (quantized here if they are float and the
-    config has a quant scheme). The directory loads with `jaxspec.load_target` and with transformers +
+    Non-expert weights are written in `dtype` (FP8 ones dequantised); routed experts as INT4 (quantized here if they
+    are float and the config has a quant scheme). The directory loads with `jaxspec.load_target` and with transformers +
     compressed-tensors.
     """
     path = Path(path)
@@ -196,5 +196,7 @@ def save_target(target, path: str | Path, *, tokenizer_dir: str | Path | None = 
 
 
 def _host_tree(state) -> dict[str, Any]:
-    """nnx.State -> nested dict of host arrays (Int4Array leaves kept whole)."""
-    return unflatten((keys, jax.device_get(var.get_value())) for keys, var in nnx.to_flat_state(state))
+    """nnx.State -> nested dict of host arrays (Int4Array leaves kept whole; Fp8Array leaves dequantised to float32,
+    exactly: the checkpoint written is unquantised, as its config.json says)."""
+    host = lambda v: jax.device_get(v.dequantize(jnp.float32) if isinstance(v, quant.Fp8Array) else v)
+    return unflatten((keys, host(var.get_value())) for keys, var in nnx.to_flat_state(state))

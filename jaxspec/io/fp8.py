@@ -1,12 +1,16 @@
-"""FP8 block-quantised checkpoints (DeepSeek-V3, Kimi-K2-Instruct) read dequantised; one-read safetensors reads.
+"""FP8 block-quantised checkpoints (DeepSeek-V3, Kimi-K2-Instruct) read as FP8 with their scales, or dequantised;
+one-read safetensors reads.
 
 FP8 layout: every quantised linear weight `X.weight` is float8 e4m3 [out, in] with `X.weight_scale_inv` float32
 [ceil(out/br), ceil(in/bc)] (br x bc = `quantization_config.weight_block_size`, 128x128 in the published models).
 Its value is `float32(w) * scale_inv` of its block, rounded once to the compute dtype: DeepSeek's own
-`weight_dequant` (an fp32 product stored in the default dtype). Kept-as-float8 weights are not implemented; the
-model holds the dequantised weights, so it costs what the same model in `dtype` costs (bf16: twice the FP8 bytes).
-Reading dequantises one tensor at a time, one block row at a time: the transient beyond the tensor in `dtype` is
-one block row in float32.
+`weight_dequant` (an fp32 product stored in the default dtype).
+
+By default the model keeps these weights FP8 (`KimiConfig.fp8`, `jaxspec.models.quant.Fp8Array`):
+`Fp8Dir.fp8_parts` hands the stored bytes and scales over unchanged, and `jaxspec.io.hf.block_scales` re-indexes the
+scales for our layout (a weight split per head keeps the checkpoint's blocks, finer where a head straddles one).
+Where the model is unquantised (`load_target(..., dequantize_fp8=True)`), `Fp8Dir.get` dequantises one tensor at a
+time, one block row at a time: the transient beyond the tensor in `dtype` is one block row in float32.
 
 `RawSafetensorsDir` reads each tensor with one positioned read into its array (every dtype, including float8:
 numpy's safetensors backend cannot read F8_E4M3), or many at once into caller's arrays with O_DIRECT (`read_many`,
@@ -29,22 +33,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxspec.config import ConfigError
+from jaxspec.config import read_fp8
 from jaxspec.io.direct import ALIGN, open_direct, refused
 from jaxspec.io.hf import DTYPES, SCALE_SUFFIX, CheckpointError, SafetensorsDir
 
 
 def fp8_block(raw: dict[str, Any]) -> tuple[int, int] | None:
     """The FP8 block size from a parsed config.json's quantization_config; None for a non-FP8 checkpoint."""
-    q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
-    if not q or q.get("quant_method") != "fp8":
-        return None
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise ConfigError(f"quantization_config.fmt: {q.get('fmt')!r} is not supported (expected 'e4m3')")
-    block = q.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
-        raise ConfigError(f"quantization_config.weight_block_size: expected [rows, cols], got {block!r}")
-    return block[0], block[1]
+    fp8 = read_fp8(raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"))
+    return None if fp8 is None else fp8.block
 
 
 def dequantized_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -67,14 +64,15 @@ def weight_dequant(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
 
 
 def open_checkpoint(path: str | Path, dtype=np.float32) -> SafetensorsDir:
-    """The reader for an HF checkpoint directory: FP8 block weights dequantised to `dtype`, other tensors as stored.
+    """The reader for an HF checkpoint directory: FP8 block weights as stored (`Fp8Dir.fp8_parts`) or dequantised to
+    `dtype` (`get`), other tensors as stored.
 
     Raises ConfigError for an FP8 quantization_config this reader does not support.
     """
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     block = fp8_block(raw)
-    return RawSafetensorsDir(path) if block is None else Fp8DequantizedDir(path, block, dtype)
+    return RawSafetensorsDir(path) if block is None else Fp8Dir(path, block, dtype)
 
 
 class RawSafetensorsDir(SafetensorsDir):
@@ -204,8 +202,9 @@ class RawSafetensorsDir(SafetensorsDir):
             pass
 
 
-class Fp8DequantizedDir(RawSafetensorsDir):
-    """Presents each FP8 weight dequantised to `dtype` and hides its scale tensor."""
+class Fp8Dir(RawSafetensorsDir):
+    """Presents each FP8 weight as stored with its scale (`fp8_parts`) or dequantised to `dtype` (`get`); hides the
+    scale tensors from `names()`."""
 
     def __init__(self, path: str | Path, block: tuple[int, int], dtype=np.float32):
         super().__init__(path)
@@ -218,17 +217,14 @@ class Fp8DequantizedDir(RawSafetensorsDir):
     def names(self) -> list[str]:
         return [n for n in self.files if n not in self.scales]
 
-    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
-        """The tensor, dequantised if it has a scale (`out`: see `RawSafetensorsDir.get`; a stored-dtype buffer, so
-        not for a dequantised weight)."""
-        if out is not None and name + SCALE_SUFFIX in self.files:
-            raise ValueError(f"{name}: an FP8 weight is dequantised into a new array, not read into `out`")
-        w = super().get(name, out)
+    def fp8_parts(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(float8_e4m3fn values [out, in], float32 scale_inv [ceil(out/br), ceil(in/bc)]) of an FP8 weight, as
+        stored; None for a tensor without a scale."""
         if name + SCALE_SUFFIX not in self.files:
-            if w.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
-                raise CheckpointError(f"{name}: a float8 weight without its {name}{SCALE_SUFFIX} tensor")
-            return w
-        scale = super().get(name + SCALE_SUFFIX)
+            return None
+        w, scale = super().get(name), super().get(name + SCALE_SUFFIX)
+        if w.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+            raise CheckpointError(f"{name}: a weight with a {SCALE_SUFFIX} must be F8_E4M3, got {self.dtype(name)}")
         if w.ndim != 2:
             raise CheckpointError(f"{name}: an FP8 block-quantised weight must be 2-D, got shape {list(w.shape)}")
         (r, c), (br, bc) = w.shape, self.block
@@ -237,7 +233,20 @@ class Fp8DequantizedDir(RawSafetensorsDir):
                 f"{name}{SCALE_SUFFIX}: expected shape [{math.ceil(r / br)}, {math.ceil(c / bc)}] for weight "
                 f"{list(w.shape)} in {br}x{bc} blocks, got {list(scale.shape)}"
             )
-        return weight_dequant(w, scale, self.block, self.out_dtype)
+        return w, scale.astype(np.float32, copy=False)
+
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor, dequantised if it has a scale (`out`: see `RawSafetensorsDir.get`; a stored-dtype buffer, so
+        not for a dequantised weight)."""
+        if out is not None and name + SCALE_SUFFIX in self.files:
+            raise ValueError(f"{name}: an FP8 weight is dequantised into a new array, not read into `out`")
+        parts = self.fp8_parts(name)
+        if parts is not None:
+            return weight_dequant(*parts, self.block, self.out_dtype)
+        w = super().get(name, out)
+        if w.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+            raise CheckpointError(f"{name}: a float8 weight without its {name}{SCALE_SUFFIX} tensor")
+        return w
 
 
 STAGING_BYTES = 16 << 20

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 from safetensors import safe_open
 
 from jaxspec.config import KimiConfig
 from jaxspec.io.compressed_tensors import unpack_int4
+from jaxspec.models.kimi import KimiModel
 from jaxspec.models.moe import EXPERT_PROJS
-from jaxspec.models.quant import Int4Array
+from jaxspec.models.quant import Fp8Array, Int4Array
 from jaxspec.pytree import flatten, get_path, set_path
 
 # K2.5 is multimodal: vision tensors are skipped (vision is out of scope) and the text model's prefix is stripped.
@@ -45,7 +48,7 @@ DTYPES: dict[str, Any] = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "F8_E5M2": ml_dtypes.float8_e5m2,
 }
-# safetensors dtype names per kind of tensor: float weights (FP8 ones are dequantised by the reader) and integers.
+# safetensors dtype names per kind of tensor: float weights (FP8 ones kept FP8 or dequantised: `Reader`) and integers.
 DTYPE_KINDS = {
     "float": ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"),
     "int": ("I64", "I32", "I16", "I8", "U8"),
@@ -298,15 +301,59 @@ def expected_tensors(cfg: KimiConfig, int4: bool) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def block_scales(
+    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]],
+    hf_shape: tuple[int, int],
+    block: tuple[int, int],
+    scale_inv: np.ndarray,
+    blocks: list[tuple[int, ...]],
+    name: str,
+) -> list[np.ndarray]:
+    """The scales of each part `to_ours` makes of an FP8 weight [out, in] (the name table's transform), in our layout
+    with the given `blocks` per axis. The transform only splits, slices and transposes, so applied to broadcast row
+    and column indices it returns views (nothing the weight's size is allocated); each of our blocks is checked to
+    lie in one of the checkpoint's (its first and last element in the same one)."""
+    (R, C), (br, bc) = hf_shape, block
+    rows = to_ours(np.broadcast_to(np.arange(R)[:, None], (R, C)))
+    cols = to_ours(np.broadcast_to(np.arange(C)[None, :], (R, C)))
+    out = []
+    for r, c, b in zip(rows, cols, blocks, strict=True):
+        first = tuple(slice(None, None, k) for k in b)
+        last = np.ix_(*(np.minimum(np.arange(0, d, k) + k - 1, d - 1) for d, k in zip(r.shape, b, strict=True)))
+        r0, c0 = r[first] // br, c[first] // bc
+        if (r0 != r[last] // br).any() or (c0 != c[last] // bc).any():
+            raise CheckpointError(f"{name}: blocks {list(b)} of our layout {list(r.shape)} cross {br}x{bc} blocks")
+        out.append(scale_inv[r0, c0])
+    return out
+
+
+def model_fp8_blocks(cfg: KimiConfig, int4_experts: bool) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{parameter path (within its decoder layer for stacked ones): FP8 blocks} of every weight `KimiModel` keeps
+    FP8 (from the abstract model: nothing allocated); empty for a config without FP8."""
+    if cfg.fp8 is None:
+        return {}
+    model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=jnp.float32, int4_experts=int4_experts, rngs=nnx.Rngs(0)))
+    return {
+        path[1:] if path[0] in ("dense_layers", "moe_layers") else path: var.get_value().blocks
+        for path, var in nnx.to_flat_state(nnx.state(model))
+        if isinstance(var.get_value(), Fp8Array)
+    }
+
+
 # ----------------------------------------------------------------------------------------------- loading
 class Reader:
-    """Reads tensors by text-model name, recording what was used and every problem."""
+    """Reads tensors by text-model name, recording what was used and every problem.
 
-    def __init__(self, ckpt: SafetensorsDir):
+    `fp8_blocks` ({parameter path: blocks}, `model_fp8_blocks`) names the parameters the model keeps FP8: those are
+    read as `Fp8Array`s from an FP8 checkpoint's reader (`jaxspec.io.fp8.Fp8Dir`); any other FP8 weight arrives
+    dequantised."""
+
+    def __init__(self, ckpt: SafetensorsDir, fp8_blocks: Mapping[tuple[str, ...], tuple[int, ...]] | None = None):
         self.ckpt = ckpt
         self.names, self.skipped = text_names(ckpt)
         self.used: set[str] = set()
         self.problems: list[str] = []
+        self.fp8_blocks = dict(fp8_blocks or {})
 
     def get(
         self, name: str, shape: tuple[int, ...], kind: str = "float", out: np.ndarray | None = None
@@ -340,22 +387,48 @@ class Reader:
         problem (recorded)."""
         out: dict[str, Any] = {}
         for row in table:
-            w = self.get(prefix + row.hf, row.shape)
-            ours = (None,) * len(row.params) if w is None else row.to_ours(w)
-            keep = (lambda a: np.asarray(a, np.float32)) if row.fp32 else cast
-            for path, value in zip(row.params, ours, strict=True):
-                set_path(out, path, None if value is None else keep(value))
+            if row.params[0] in self.fp8_blocks:
+                ours = self.fp8_row(row, prefix)
+            else:
+                w = self.get(prefix + row.hf, row.shape)
+                keep = (lambda a: np.asarray(a, np.float32)) if row.fp32 else cast
+                ours = None if w is None else tuple(keep(v) for v in row.to_ours(w))
+            for path, value in zip(row.params, ours or (None,) * len(row.params), strict=True):
+                set_path(out, path, value)
         return out
+
+    def fp8_row(self, row: Tensor, prefix: str = "") -> tuple[Fp8Array, ...] | None:
+        """The row's parameters as `Fp8Array`s: the stored float8 values in our layout and their block scales; None
+        after recording why not."""
+        stored = self.check(prefix + row.hf, row.shape)
+        parts = None if stored is None else self.fp8_parts(stored)
+        if parts is None:
+            return None
+        blocks = [self.fp8_blocks[p] for p in row.params]
+        scales = block_scales(row.to_ours, row.shape, self.ckpt.block, parts[1], blocks, prefix + row.hf)
+        values = row.to_ours(parts[0])
+        return tuple(Fp8Array(v, s, b) for v, s, b in zip(values, scales, blocks, strict=True))
+
+    def fp8_parts(self, stored: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(values, scale_inv) of a weight the model keeps FP8; None after recording that it is not stored so."""
+        parts = self.ckpt.fp8_parts(stored) if hasattr(self.ckpt, "fp8_parts") else None
+        if parts is None:
+            self.problems.append(
+                f"{stored}: the model keeps it FP8 (quantization_config fp8), but it is stored as "
+                f"{self.ckpt.dtype(stored)} without a {SCALE_SUFFIX}"
+            )
+        return parts
 
 
 def read_params(ckpt: SafetensorsDir, cfg: KimiConfig, *, int4_experts: bool, dtype: np.dtype) -> dict[str, Any]:
     """Read an HF checkpoint into a nested dict shaped like `nnx.state(KimiModel)` (numpy leaves).
 
-    `ckpt` is the directory's reader (`jaxspec.io.fp8.open_checkpoint`: FP8 block weights arrive dequantised).
-    Non-expert weights are cast to `dtype`; INT4 experts stay 4-bit (`Int4Array`) with their stored scales.
+    `ckpt` is the directory's reader (`jaxspec.io.fp8.open_checkpoint`). Weights are cast to `dtype`, except: INT4
+    experts stay 4-bit (`Int4Array`) with their stored scales; with `cfg.fp8`, block-FP8 weights stay FP8
+    (`Fp8Array`) with theirs (without it, an FP8 checkpoint's weights arrive dequantised to `dtype`).
     """
     dtype = np.dtype(dtype)
-    reader = Reader(ckpt)
+    reader = Reader(ckpt, model_fp8_blocks(cfg, int4_experts))
     params = reader.rows(top_table(cfg), caster(dtype))
     k = cfg.first_k_dense_replace
     for stack, layers, moe in (
@@ -408,6 +481,10 @@ def read_layer(reader: Reader, cfg: KimiConfig, layer: int, moe: bool, int4: boo
     if moe and int4:
         for proj in EXPERT_PROJS:
             set_path(out, ("mlp", proj), _read_int4_experts(reader, cfg, layer, proj))
+    elif moe and reader.fp8_blocks:  # read in the checkpoint's [E, out, in]; ours is [E, in, out]
+        for proj, stacks in read_fp8_experts(reader, cfg, layer).items():
+            w = None if stacks is None else Fp8Array(*(a.transpose(0, 2, 1) for a in stacks), cfg.fp8.block[::-1])
+            set_path(out, ("mlp", proj), w)
     elif moe:  # read in the checkpoint's [E, out, in]; ours is [E, in, out]
         for proj, w in read_float_experts(reader, cfg, layer, dtype).items():
             set_path(out, ("mlp", proj), None if w is None else np.ascontiguousarray(w.transpose(0, 2, 1)))
@@ -480,6 +557,52 @@ def read_float_experts(
     return {p: stacks[p] if complete[p] else None for p in EXPERT_PROJS}
 
 
+def read_fp8_experts(
+    reader: Reader, cfg: KimiConfig, layer: int, take: Callable[..., np.ndarray] = np.empty
+) -> dict[str, tuple[np.ndarray, np.ndarray] | None]:
+    """{projection: every routed expert's (float8 values [E, out, in], float32 scale_inv [E, out/br, in/bc]) as
+    stored (arrays from `take(shape, dtype)`), or None if any had a problem (recorded)}; read in file order, in one
+    `read_many` pass where the reader has it."""
+    E, (br, bc) = cfg.n_routed_experts, cfg.fp8.block
+    out: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
+    batch: list[tuple[str, np.ndarray]] = []
+    for proj in EXPERT_PROJS:
+        rows = [next(iter(expert_tensors(cfg, layer, proj, e, False).items())) for e in range(E)]
+        (r, c) = rows[0][1]
+        values, scales = take((E, r, c), ml_dtypes.float8_e4m3fn), take((E, -(-r // br), -(-c // bc)), np.float32)
+        complete = True
+        for e, (name, shape) in enumerate(rows):
+            stored = reader.check(name, shape)
+            parts = None if stored is None else _fp8_stored(reader, stored, values[e], scales[e])
+            complete &= parts is not None
+            batch += parts or []
+        out[proj] = (values, scales) if complete else None
+    bulk = getattr(reader.ckpt, "read_many", None)
+    if bulk is not None:
+        bulk(batch)
+    else:
+        for name, into in batch:
+            reader.ckpt.get(name, into)
+    return out
+
+
+def _fp8_stored(reader: Reader, stored: str, values: np.ndarray, scale: np.ndarray) -> list | None:
+    """[(weight, its values slot), (scale, its slot)] of a stored FP8 expert weight, every dtype and shape checked;
+    None after recording why not."""
+    scale_name, problems = stored + SCALE_SUFFIX, []
+    if reader.ckpt.dtype(stored) != "F8_E4M3":
+        problems.append(f"{stored}: expected F8_E4M3 (quantization_config fp8), got {reader.ckpt.dtype(stored)}")
+    elif scale_name not in reader.ckpt.files:
+        problems.append(f"{stored}: an FP8 weight without its {scale_name} tensor")
+    elif reader.ckpt.shape(scale_name) != scale.shape or reader.ckpt.dtype(scale_name) != "F32":
+        problems.append(
+            f"{scale_name}: expected F32 {list(scale.shape)}, got {reader.ckpt.dtype(scale_name)} "
+            f"{list(reader.ckpt.shape(scale_name))}"
+        )
+    reader.problems += problems
+    return None if problems else [(stored, values), (scale_name, scale)]
+
+
 def _location(reader: Reader, name: str) -> tuple[str, int]:
     """(file, byte offset) of a tensor where the reader knows it, for reading in file order; missing ones last."""
     stored = reader.names.get(name)
@@ -499,6 +622,9 @@ def _stack(per_layer: list[dict]) -> dict:
         elif isinstance(first, Int4Array):
             packed, scale = np.stack([v.packed for v in vals]), np.stack([v.scale for v in vals])
             set_path(out, path, Int4Array(packed, scale, first.group_size))
+        elif isinstance(first, Fp8Array):
+            values, scale = np.stack([v.values for v in vals]), np.stack([v.scale for v in vals])
+            set_path(out, path, Fp8Array(values, scale, first.blocks))
         else:
             set_path(out, path, np.stack(vals))
     return out

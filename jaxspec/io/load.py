@@ -28,18 +28,28 @@ def load_target(
     dtype=jnp.bfloat16,
     rules: ShardingRules = DEFAULT_RULES,
     kv_cache_dtype: str = "auto",
+    dequantize_fp8: bool = False,
 ) -> Target:
-    """Load an HF-layout checkpoint directory (config.json + safetensors; bf16 or INT4 pack-quantized experts), or
-    a `jaxspec-convert target` output (Orbax), restored straight into the mesh's shardings. `kv_cache_dtype`:
-    "auto" (the compute dtype) or "fp8" (float8_e4m3fn latent cache with a per-token scale)."""
+    """Load an HF-layout checkpoint directory (config.json + safetensors; bf16, INT4 pack-quantized experts, or block
+    FP8), or a `jaxspec-convert target` output (Orbax), restored straight into the mesh's shardings. `kv_cache_dtype`:
+    "auto" (the compute dtype) or "fp8" (float8_e4m3fn latent cache with a per-token scale).
+
+    Block-FP8 weights (DeepSeek-V3/R1, Kimi-K2-Instruct) stay FP8 on the devices with their block scales and are
+    dequantised inside each matmul; `dequantize_fp8=True` dequantises them on read to `dtype` instead (twice the
+    bytes at bf16, and no dequantisation per step)."""
     mesh = mesh or single_device_mesh()
     if read_marker(path) is not None:  # a conversion output (None for an HF directory)
         cfg = KimiConfig.from_pretrained(path)
+        if dequantize_fp8 and cfg.fp8 is not None:
+            raise ConfigError(
+                f"{path}: dequantize_fp8 applies to HF checkpoints; this conversion keeps its weights FP8 (convert "
+                "the HF checkpoint with --dequantize-fp8 for an unquantised one)"
+            )
         check_complete(path, cfg)
         abstract = Target.abstract(cfg, mesh=mesh, dtype=dtype, int4_experts=cfg.quant is not None, rules=rules)
         params = restore_params(path, cfg, abstract.params)
         return Target(cfg, mesh, abstract.graphdef, params, rules, kv_cache_dtype)
-    cfg = KimiConfig.from_pretrained(path)
+    cfg = KimiConfig.from_pretrained(path).replace(**({"fp8": None} if dequantize_fp8 else {}))
     check_mesh(cfg, mesh, rules)  # before reading anything
     np_dtype = np.dtype(jnp.dtype(dtype))
     host = read_params(open_checkpoint(path, np_dtype), cfg, int4_experts=cfg.quant is not None, dtype=np_dtype)

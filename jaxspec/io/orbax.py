@@ -7,13 +7,15 @@
     OUT/params/<group>.done       written once that group's save has finished (a rerun skips it)
     OUT/jaxspec_checkpoint.json   the completion marker: written LAST, after every group is finalized
 
-Int4Array leaves are stored as their two arrays {"packed": uint8, "scale": bf16}. Float routed experts (version 2) are
-stored as the HF checkpoint holds them, [E, out, in] per layer, so the converter reads each expert straight into place
-(a host-side transpose to our [E, in, out] cost more CPU per byte than the write); restore swaps the two axes on
-device. Version 1 outputs ([E, in, out]) still load. Groups are zarr3 arrays without OCDBT (less CPU per byte to
-write); Orbax reads either kind. `restore_params` reads each group with `ShapeDtypeStruct`s that carry the per-layer
-slice of the target sharding (so each process reads only its slices) and writes it into the stacked, already-sharded
-array in place (donated), so device memory peaks at the model plus one layer.
+Int4Array leaves are stored as their two arrays {"packed": uint8, "scale": bf16}, Fp8Array leaves as theirs
+{"values": float8_e4m3fn, "scale": float32}. Float and FP8 routed experts (version 2) are stored as the HF checkpoint
+holds them, [E, out, in] per layer (FP8: the checkpoint's bytes and `weight_scale_inv` blocks unchanged), so the
+converter reads each expert straight into place (a host-side transpose to our [E, in, out] cost more CPU per byte
+than the write); restore swaps the two axes on device. Version 1 outputs ([E, in, out]) still load. Groups are zarr3
+arrays without OCDBT (less CPU per byte to write); Orbax reads either kind. `restore_params` reads each group with
+`ShapeDtypeStruct`s that carry the per-layer slice of the target sharding (so each process reads only its slices) and
+writes it into the stacked, already-sharded array in place (donated), so device memory peaks at the model plus one
+layer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec.config import KimiConfig
 from jaxspec.io.hf import CheckpointError
 from jaxspec.models.moe import ROUTED_PATHS
-from jaxspec.models.quant import Int4Array
+from jaxspec.models.quant import Fp8Array, Int4Array
 from jaxspec.pytree import get_path, unflatten
 
 FORMAT = "jaxspec-orbax"
@@ -72,12 +74,15 @@ def is_group_complete(root: str | Path, name: str) -> bool:
     return done_file(root, name).is_file() and d.is_dir() and ocp.utils.is_checkpoint_finalized(d)
 
 
-def flatten_int4(tree: Any) -> Any:
-    """Replace every Int4Array in a nested dict by {"packed", "scale"} (what Orbax stores)."""
+def flatten_quant(tree: Any) -> Any:
+    """Replace every Int4Array in a nested dict by {"packed", "scale"} and every Fp8Array by {"values", "scale"}
+    (what Orbax stores)."""
     if isinstance(tree, Int4Array):
         return {"packed": tree.packed, "scale": tree.scale}
+    if isinstance(tree, Fp8Array):
+        return {"values": tree.values, "scale": tree.scale}
     if isinstance(tree, dict):
-        return {k: flatten_int4(v) for k, v in tree.items()}
+        return {k: flatten_quant(v) for k, v in tree.items()}
     return tree
 
 
@@ -121,13 +126,13 @@ def restore_params(path: str | Path, cfg: KimiConfig, abstract: Any) -> Any:
     as_stored = read_marker(path)["version"] >= 2  # float routed experts stored [E, out, in]
     flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(abstract)]
     ck = ocp.StandardCheckpointer()
-    top = {p[0]: flatten_int4(v) for p, v in flat if p[0] not in STACKS}
+    top = {p[0]: flatten_quant(v) for p, v in flat if p[0] not in STACKS}
     values: dict[tuple, Any] = {(k,): v for k, v in ck.restore(group_dir(path, "top"), top).items()}
     for stack in STACKS:
         leaves = {p[1:]: v for p, v in flat if p[0] == stack}
         if leaves:
             routed = as_stored and stack == "moe_layers"  # a dense layer's ("mlp", "gate") is its own MLP
-            floats = [p for p in ROUTED_PATHS if p in leaves and not isinstance(leaves[p], Int4Array)]
+            floats = [p for p in ROUTED_PATHS if p in leaves and not isinstance(leaves[p], Int4Array)]  # and FP8
             swapped = frozenset(floats if routed else ())
             restored = _restore_stack(ck, path, cfg, stack, leaves, swapped)
             values.update({(stack, *p): v for p, v in restored.items()})
@@ -139,10 +144,10 @@ def _restore_stack(
 ) -> dict:
     """{path within the stack: stacked array (Int4Array for INT4 leaves)}, one layer group read at a time; the
     leaves in `swapped` are stored with their last two axes swapped."""
-    abstract_stack = {p: flatten_int4(v) for p, v in leaves.items()}
+    abstract_stack = {p: flatten_quant(v) for p, v in leaves.items()}
     stacked = _zeros(abstract_stack)  # one program per stack, not per parameter
     per_layer = {p: jax.tree.map(_layer_slice, v) for p, v in abstract_stack.items()}
-    per_layer |= {p: _swap_last(per_layer[p]) for p in swapped}
+    per_layer |= {p: jax.tree.map(_swap_last, per_layer[p]) for p in swapped}
     for layer in (i for i in range(cfg.num_hidden_layers) if stack_of(cfg, i)[0] == stack):
         restored = ck.restore(group_dir(path, layer_group(layer)), unflatten(per_layer))
         got = {p: get_path(restored, p) for p in leaves}
@@ -151,7 +156,11 @@ def _restore_stack(
     out = {}
     for p, v in leaves.items():
         s = stacked[p]
-        out[p] = Int4Array(s["packed"], s["scale"], v.group_size) if isinstance(v, Int4Array) else s
+        if isinstance(v, Int4Array):
+            s = Int4Array(s["packed"], s["scale"], v.group_size)
+        elif isinstance(v, Fp8Array):
+            s = Fp8Array(s["values"], s["scale"], v.blocks)
+        out[p] = s
     return out
 
 
@@ -180,5 +189,5 @@ def _put(stacked: Any, layer: Any, index: jax.Array, swapped: frozenset) -> Any:
     """Write one layer into every stacked parameter at `index` (leading axis), swapping the last two axes of the
     leaves in `swapped` first (a local transpose: their shardings were swapped too)."""
     put = lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), index, 0)
-    layer = {p: jnp.swapaxes(x, -1, -2) if p in swapped else x for p, x in layer.items()}
+    layer = {p: jax.tree.map(lambda a: jnp.swapaxes(a, -1, -2), x) if p in swapped else x for p, x in layer.items()}
     return jax.tree.map(put, stacked, layer)

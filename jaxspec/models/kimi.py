@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxspec.config import KimiConfig
 from jaxspec.models import quant, rope
-from jaxspec.models.layers import ones, param, rms_norm
+from jaxspec.models.layers import fp8_linear_blocks, ones, param, rms_norm
 from jaxspec.models.mla import KV_BLOCK, MLA, AttnImpl
 from jaxspec.models.moe import MLP, LayerSlice, MoE, is_routed_weight
 from jaxspec.models.tree_attention import tree_verify_mla
@@ -38,7 +38,10 @@ class DecoderLayer(nnx.Module):
         self.input_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.post_attn_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.attn = MLA(cfg, dtype, rngs)
-        self.mlp = MoE(cfg, dtype, int4_experts, rngs, axis=axis) if moe else MLP(D, cfg.intermediate_size, dtype, rngs)
+        if moe:
+            self.mlp = MoE(cfg, dtype, int4_experts, rngs, axis=axis)
+        else:
+            self.mlp = MLP(D, cfg.intermediate_size, dtype, rngs, fp8_linear_blocks(cfg))
         self.eps, self.axis = cfg.rms_norm_eps, axis
 
     def __call__(

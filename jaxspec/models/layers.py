@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.config import KimiConfig
+from jaxspec.models import quant
+
 # The additive mask of attention scores: exp() of it is exactly 0 in fp32, yet it stays finite (no inf - inf = NaN).
 NEG_INF = -1e30
 
@@ -44,6 +47,21 @@ def param(
         raise ValueError(f"param: shape {shape} and logical axes {axes} differ in rank")
     init = init or normal()
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+def linear(
+    rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype: jnp.dtype, blocks: Sequence[int] | None
+) -> nnx.Param:
+    """A linear weight: `param`, or with `blocks` (per trailing axis) a block-FP8 `quant.Fp8Array`."""
+    p = param(rngs, shape, axes, dtype if blocks is None else jnp.float32)
+    if blocks is not None:
+        p.set_value(quant.quantize_fp8(p.get_value(), tuple(blocks)))
+    return p
+
+
+def fp8_linear_blocks(cfg: KimiConfig) -> tuple[int, int] | None:
+    """Our [in, out] blocks of a PyTorch [out, in] FP8 weight, or None for an unquantised model."""
+    return None if cfg.fp8 is None else cfg.fp8.block[::-1]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

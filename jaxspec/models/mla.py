@@ -37,8 +37,9 @@ from flax import nnx
 
 from jaxspec.config import LATENT_NORM_EPS, KimiConfig
 from jaxspec.models import rope
-from jaxspec.models.layers import NEG_INF, ones, param, rms_norm
+from jaxspec.models.layers import NEG_INF, linear, ones, param, rms_norm
 from jaxspec.models.quant import einsum as ein
+from jaxspec.models.quant import head_block
 
 AttnImpl = Literal["expanded", "absorbed"]
 # Cache positions per block of the live-prefix loop. Larger blocks mean fewer loop iterations (each costs a little
@@ -58,24 +59,45 @@ Softmax = tuple[jax.Array, jax.Array, jax.Array]
 BlockFn = Callable[[jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
 
 
+def fp8_blocks(cfg: KimiConfig) -> dict[str, tuple[int, ...]] | None:
+    """Each projection's FP8 blocks in our layout (None for an unquantised model). The checkpoint blocks PyTorch's
+    [out, in] weights: q_b / q_proj rows are N x (H + R) per head, kv_a_proj rows C + R, kv_b rows N x (H + A), o_proj
+    columns N x A, so a per-head axis gets the largest block that never crosses one of the checkpoint's."""
+    if cfg.fp8 is None:
+        return None
+    (br, bc), H, R, A, C = cfg.fp8.block, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    return {
+        "q_a": (bc, br),
+        "q_nope": (bc, 1, head_block(br, H + R, 0)),
+        "q_rope": (bc, 1, head_block(br, H + R, H)),
+        "kv_a_latent": (bc, br),
+        "kv_a_rope": (bc, head_block(br, 0, C)),
+        "kv_b_k": (bc, 1, head_block(br, H + A, 0)),
+        "kv_b_v": (bc, 1, head_block(br, H + A, H)),
+        "o": (1, head_block(bc, A, 0), br),
+    }
+
+
 class MLA(nnx.Module):
     def __init__(self, cfg: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         D, Q, C = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
         N, H, R, A = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        b = fp8_blocks(cfg)
+        w = lambda name, shape, axes: linear(rngs, shape, axes, dtype, b and b[name])
         if cfg.q_lora:
-            self.q_a = param(rngs, (D, Q), ("embed", "q_lora"), dtype)
+            self.q_a = w("q_a", (D, Q), ("embed", "q_lora"))
             self.q_a_norm = param(rngs, (Q,), ("q_lora",), dtype, ones)
-            self.q_b_nope = param(rngs, (Q, N, H), ("q_lora", "heads", None), dtype)
-            self.q_b_rope = param(rngs, (Q, N, R), ("q_lora", "heads", None), dtype)
+            self.q_b_nope = w("q_nope", (Q, N, H), ("q_lora", "heads", None))
+            self.q_b_rope = w("q_rope", (Q, N, R), ("q_lora", "heads", None))
         else:  # q_lora_rank null: one q_proj straight from the hidden state (DeepSeek-V2-Lite, Moonlight)
-            self.q_nope = param(rngs, (D, N, H), ("embed", "heads", None), dtype)
-            self.q_rope = param(rngs, (D, N, R), ("embed", "heads", None), dtype)
-        self.kv_a_latent = param(rngs, (D, C), ("embed", "kv_lora"), dtype)
-        self.kv_a_rope = param(rngs, (D, R), ("embed", None), dtype)
+            self.q_nope = w("q_nope", (D, N, H), ("embed", "heads", None))
+            self.q_rope = w("q_rope", (D, N, R), ("embed", "heads", None))
+        self.kv_a_latent = w("kv_a_latent", (D, C), ("embed", "kv_lora"))
+        self.kv_a_rope = w("kv_a_rope", (D, R), ("embed", None))
         self.kv_a_norm = param(rngs, (C,), ("kv_lora",), dtype, ones)
-        self.kv_b_k = param(rngs, (C, N, H), ("kv_lora", "heads", None), dtype)  # W_uk
-        self.kv_b_v = param(rngs, (C, N, A), ("kv_lora", "heads", None), dtype)  # W_uv
-        self.o = param(rngs, (N, A, D), ("heads", None, "embed"), dtype)
+        self.kv_b_k = w("kv_b_k", (C, N, H), ("kv_lora", "heads", None))  # W_uk
+        self.kv_b_v = w("kv_b_v", (C, N, A), ("kv_lora", "heads", None))  # W_uv
+        self.o = w("o", (N, A, D), ("heads", None, "embed"))
         self.softmax_scale = cfg.softmax_scale
 
     def __call__(

@@ -18,7 +18,7 @@ from flax import nnx, struct
 from jaxspec.config import KimiConfig
 from jaxspec.models import quant
 from jaxspec.models.kernels import grouped_int4
-from jaxspec.models.layers import param, swiglu, zeros
+from jaxspec.models.layers import fp8_linear_blocks, linear, param, swiglu, zeros
 from sharding.rules import DEFAULT_RULES
 
 ExpertImpl = Literal["auto", "xla", "pallas"]
@@ -27,20 +27,25 @@ ExpertImpl = Literal["auto", "xla", "pallas"]
 class MLP(nnx.Module):
     """SwiGLU MLP with its hidden dim split over the model axis; returns a partial sum in fp32."""
 
-    def __init__(self, hidden: int, inner: int, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.gate = param(rngs, (hidden, inner), ("embed", "mlp"), dtype)
-        self.up = param(rngs, (hidden, inner), ("embed", "mlp"), dtype)
-        self.down = param(rngs, (inner, hidden), ("mlp", "embed"), dtype)
+    def __init__(self, hidden: int, inner: int, dtype: jnp.dtype, rngs: nnx.Rngs, blocks: tuple[int, int] | None):
+        """`blocks`: the weights' FP8 blocks in our [in, out] layout (`fp8_linear_blocks`), None if unquantised."""
+        self.gate = linear(rngs, (hidden, inner), ("embed", "mlp"), dtype, blocks)
+        self.up = linear(rngs, (hidden, inner), ("embed", "mlp"), dtype, blocks)
+        self.down = linear(rngs, (inner, hidden), ("mlp", "embed"), dtype, blocks)
 
     def __call__(self, x_MD: jax.Array) -> jax.Array:
         h_MF = swiglu(quant.einsum("MD,DF->MF", x_MD, self.gate[...]), quant.einsum("MD,DF->MF", x_MD, self.up[...]))
         return quant.einsum("MF,FD->MD", h_MF, self.down[...], dtype=jnp.float32)
 
 
-def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, int, int], axes, dtype, group_size: int | None) -> nnx.Param:
-    p = param(rngs, shape, axes, dtype if group_size is None else jnp.float32)
-    if group_size is not None:
-        p.set_value(quant.quantize(p.get_value(), group_size))
+def _expert_weight(
+    rngs: nnx.Rngs, shape: tuple[int, int, int], axes, dtype, group_size: int | None, blocks: tuple[int, int] | None
+) -> nnx.Param:
+    """INT4 with a `group_size`, else FP8 with `blocks`, else `dtype`."""
+    if group_size is None:
+        return linear(rngs, shape, axes, dtype, blocks)
+    p = param(rngs, shape, axes, jnp.float32)
+    p.set_value(quant.quantize(p.get_value(), group_size))
     return p
 
 
@@ -83,10 +88,11 @@ class MoE(nnx.Module):
             raise ValueError("int4 experts need cfg.quant (a quantization_config)")
         self.router = param(rngs, (D, E), ("embed", None), dtype)
         self.router_bias = param(rngs, (E,), (None,), jnp.float32, zeros)  # e_score_correction_bias
-        self.gate = _expert_weight(rngs, (E, D, F), ("experts", "embed", None), dtype, g)
-        self.up = _expert_weight(rngs, (E, D, F), ("experts", "embed", None), dtype, g)
-        self.down = _expert_weight(rngs, (E, F, D), ("experts", None, "embed"), dtype, g)
-        self.shared = MLP(D, F * cfg.n_shared_experts, dtype, rngs)
+        blocks = fp8_linear_blocks(cfg)
+        self.gate = _expert_weight(rngs, (E, D, F), ("experts", "embed", None), dtype, g, blocks)
+        self.up = _expert_weight(rngs, (E, D, F), ("experts", "embed", None), dtype, g, blocks)
+        self.down = _expert_weight(rngs, (E, F, D), ("experts", None, "embed"), dtype, g, blocks)
+        self.shared = MLP(D, F * cfg.n_shared_experts, dtype, rngs, blocks)
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.axis = axis  # the expert-parallel mesh axis (ShardingRules.model_axis)
@@ -265,7 +271,8 @@ def _experts_xla(
 
 
 def _expert(w: quant.Weight | LayerSlice, e: jax.Array) -> quant.Weight:
-    """One expert's weight [I, O] (still packed if INT4), by a dynamic index: reads only that expert."""
+    """One expert's weight [I, O] (still packed if INT4, still FP8 with its scales if FP8), by a dynamic index: reads
+    only that expert."""
     lead = (w.layer, e) if isinstance(w, LayerSlice) else (e,)
     w = w.stack if isinstance(w, LayerSlice) else w
 
@@ -273,6 +280,8 @@ def _expert(w: quant.Weight | LayerSlice, e: jax.Array) -> quant.Weight:
         start = (*lead, *(jnp.zeros((), jnp.int32),) * 2)
         return jax.lax.dynamic_slice(a, start, (*(1,) * len(lead), *a.shape[-2:])).reshape(a.shape[-2:])
 
+    if isinstance(w, quant.Fp8Array):
+        return quant.Fp8Array(take(w.values), take(w.scale), w.blocks)
     if not isinstance(w, quant.Int4Array):
         return take(w)
     return quant.Int4Array(take(w.packed), take(w.scale), w.group_size)

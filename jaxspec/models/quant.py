@@ -1,4 +1,4 @@
-"""INT4 weights that stay INT4 in device memory, and the one einsum that consumes them.
+"""INT4 and block-FP8 weights that stay quantised in device memory, and the one einsum that consumes them.
 
 `Int4Array` holds 4-bit values packed two per byte (uint8) and per-group scales along the weight's *input* axis
 (axis -2 of our [..., in, out] layout; compressed-tensors groups along `in` of PyTorch's [out, in]). Dequantisation
@@ -8,9 +8,17 @@ whole stack.
 Why uint8 pairs rather than `jnp.int4`: measured on XLA's CPU backend, a `lax.scan` over a stacked `jnp.int4`
 weight widens the WHOLE stack to s8 before the loop (a full 1-byte-per-value copy: +142 GB per device for Kimi-K2.5's
 experts). Packed uint8 costs exactly 4 bits per value on every backend and unpacks with two fused bit operations.
+
+`Fp8Array` holds DeepSeek-V3's block-FP8 weights as the checkpoint stores them: float8_e4m3fn values (the same bytes,
+in our layout) and one float32 scale per block. Blocks are declared per trailing axis, in our layout: a PyTorch
+[out, in] weight in 128 x 128 blocks is [in, out] here with blocks (128, 128); a weight split per head (q_b, kv_b, o)
+gets the largest block per axis that never straddles one of the checkpoint's blocks (`head_block`). Dequantisation
+is DeepSeek's `weight_dequant`: float32(value) * scale, rounded once to the compute dtype, inside `einsum`, per call.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,16 +86,80 @@ class Int4Array:
         return Int4Array(jnp.take(self.packed, indices, axis), jnp.take(self.scale, indices, axis), self.group_size)
 
 
-Weight = jax.Array | Int4Array
+FP8 = jnp.float8_e4m3fn
+
+
+@struct.dataclass
+class Fp8Array:
+    """values: float8_e4m3fn [..., *dims]; scale: float32 [..., *ceil(dims / blocks)] (`blocks` per trailing axis,
+    leading axes unblocked); w = float32(values) * scale of its block."""
+
+    values: jax.Array
+    scale: jax.Array
+    blocks: tuple[int, ...] = struct.field(pytree_node=False, default=())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.values.dtype
+
+    def dequantize(self, dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+        """float32(values) * block scale, rounded once to `dtype`."""
+        scale = self.scale.astype(jnp.float32)
+        for axis, b in enumerate(self.blocks, start=self.ndim - len(self.blocks)):
+            if b > 1:
+                scale = jax.lax.slice_in_dim(jnp.repeat(scale, b, axis=axis), 0, self.shape[axis], axis=axis)
+        return (self.values.astype(jnp.float32) * scale).astype(dtype)
+
+    def __getitem__(self, idx) -> Fp8Array:
+        """`...` (the whole array, as `nnx.Param[...]` reads it) or an index into the leading (unblocked) axis."""
+        if idx is Ellipsis:
+            return self
+        if self.ndim <= len(self.blocks):
+            raise ValueError(f"Fp8Array: shape {self.shape} has no unblocked leading axis to index")
+        return Fp8Array(self.values[idx], self.scale[idx], self.blocks)
+
+
+def quantize_fp8(w: jax.Array | np.ndarray, blocks: tuple[int, ...]) -> Fp8Array:
+    """Block-FP8 quantisation of `w` (blocks per trailing axis): scale = block max|w| / 448 (e4m3's largest finite
+    value, so nothing clips), values = e4m3(w / scale). An all-zero block gets scale 1."""
+    w = jnp.asarray(w, jnp.float32)
+    lead = w.ndim - len(blocks)
+    amax = jnp.abs(w)
+    for axis, b in enumerate(blocks, start=lead):  # max over each block: pad the axis to whole blocks, fold it
+        pad = [(0, 0)] * amax.ndim
+        pad[axis] = (0, -amax.shape[axis] % b)
+        amax = jnp.pad(amax, pad)
+        amax = amax.reshape(*amax.shape[:axis], -1, b, *amax.shape[axis + 1 :]).max(axis=axis + 1)
+    scale = jnp.where(amax == 0, 1.0, amax / float(jnp.finfo(FP8).max))
+    expanded = Fp8Array(jnp.ones(w.shape, FP8), scale, tuple(blocks)).dequantize(jnp.float32)
+    return Fp8Array((w / expanded).astype(FP8), scale, tuple(blocks))
+
+
+def head_block(block: int, period: int, offset: int) -> int:
+    """The block of a per-head axis of our layout whose elements sit at checkpoint rows `h * period + offset + i`:
+    the largest size that divides `block` (so a run never crosses one of the checkpoint's blocks) and the rows'
+    spacing."""
+    return math.gcd(block, period, offset)
+
+
+Weight = jax.Array | Int4Array | Fp8Array
 
 
 def einsum(spec: str, x: jax.Array, w: Weight, *, dtype: jnp.dtype | None = None) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` in x's dtype, where w may be INT4 (dequantised here, per call); cast to `dtype`.
+    """`jnp.einsum(spec, x, w)` in x's dtype, where w may be INT4 or FP8 (dequantised here, per call); cast to `dtype`.
 
     Every matmul of the models goes through here. Operands share x's dtype and the result keeps it: accelerators
     accumulate bf16 dots in fp32 internally, and XLA's CPU runtime rejects bf16 x bf16 -> f32 dots outright.
     """
-    if isinstance(w, Int4Array):
+    if isinstance(w, Int4Array | Fp8Array):
         w = w.dequantize(x.dtype)
     out = jnp.einsum(spec, x, w.astype(x.dtype))
     return out if dtype is None else out.astype(dtype)

@@ -22,7 +22,7 @@ from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
 from jaxspec.models.kimi import KimiModel
 from jaxspec.models.mla import KV_BLOCK, PACKED, SCALE_BYTES, AttnImpl
 from jaxspec.models.moe import ExpertImpl, MoE
-from jaxspec.models.quant import Int4Array
+from jaxspec.models.quant import Fp8Array, Int4Array
 from jaxspec.models.tree_attention import compact_path
 from sharding.collectives import sharded_argmax, sharded_top_k
 from sharding.inspect import per_device_param_bytes
@@ -80,7 +80,9 @@ class Target:
         mesh = mesh or single_device_mesh()
         check_mesh(cfg, mesh, rules)
         graphdef, abstract = nnx.split(cls.abstract_model(cfg, dtype, int4_experts, rules))
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cls.param_specs(abstract, rules))
+        specs = cls.param_specs(abstract, rules)
+        check_fp8_shards(abstract, specs, mesh)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
         return mesh, graphdef, abstract, shardings
 
     @classmethod
@@ -134,10 +136,12 @@ class Target:
         rules: ShardingRules = DEFAULT_RULES,
         kv_cache_dtype: str = "auto",
     ) -> Target:
-        """Place host weights ({param path: numpy array or Int4Array}, every parameter of the model) on `mesh`.
+        """Place host weights ({param path: numpy array, Int4Array or Fp8Array}, every parameter of the model) on
+        `mesh`.
 
         Each array goes straight from host memory to its shards, cast to the parameter's dtype (INT4 scales to the
-        scale dtype); routed experts are INT4 exactly when the config has a quant scheme."""
+        scale dtype; FP8 values keep their bytes); routed experts are INT4 exactly when the config has a quant scheme,
+        and the linear weights FP8 (in the model's blocks) when it has an fp8 one."""
         mesh, graphdef, abstract, shardings = cls._skeleton(cfg, mesh, dtype, cfg.quant is not None, rules)
         shardings = dict(nnx.to_flat_state(shardings))
 
@@ -147,6 +151,12 @@ class Target:
             if isinstance(expect, Int4Array):
                 scale = np.asarray(value.scale).astype(expect.scale.dtype)
                 arr = Int4Array(np.asarray(value.packed, np.uint8), scale, expect.group_size)
+            elif isinstance(expect, Fp8Array):
+                if not isinstance(value, Fp8Array) or value.blocks != expect.blocks:
+                    got = value.blocks if isinstance(value, Fp8Array) else f"an unquantised {np.asarray(value).dtype}"
+                    raise ValueError(f"{'.'.join(path)}: expected FP8 in blocks {expect.blocks}, got {got}")
+                values = np.asarray(value.values).view(expect.values.dtype)  # the stored bytes, never a cast
+                arr = Fp8Array(values, np.asarray(value.scale, expect.scale.dtype), expect.blocks)
             else:
                 arr = np.asarray(value).astype(expect.dtype)
             return path, var.replace(put_global(arr, shardings[path]))  # only this process's shards
@@ -374,6 +384,24 @@ def _jit_forward(target, params, tokens, pos, cache, capture, impl):
 
 def _model(cfg: KimiConfig, dtype, int4_experts: bool | None, rules: ShardingRules, seed: int) -> KimiModel:
     return KimiModel(cfg, dtype=dtype, int4_experts=int4_experts, rules=rules, rngs=nnx.Rngs(seed))
+
+
+def check_fp8_shards(abstract: Any, specs: Any, mesh: Mesh) -> None:
+    """Raise unless every shard of an FP8 weight holds whole blocks (so each device's scales are its values')."""
+    flat_specs = dict(nnx.to_flat_state(specs))
+    for path, var in nnx.to_flat_state(abstract):
+        w = var.get_value()
+        if not isinstance(w, Fp8Array):
+            continue
+        spec = tuple(flat_specs[path]) + (None,) * w.ndim
+        for axis, b in enumerate(w.blocks, start=w.ndim - len(w.blocks)):
+            names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+            parts = int(np.prod([mesh.shape[n] for n in names if n is not None]))
+            if b > 1 and parts > 1 and (w.shape[axis] // parts) % b:
+                raise ValueError(
+                    f"{'.'.join(map(str, path))}: axis {axis} of {list(w.shape)} splits into {parts} shards of "
+                    f"{w.shape[axis] // parts}, not whole FP8 blocks of {b}"
+                )
 
 
 def check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> None:

@@ -10,8 +10,8 @@ once. A client that disconnects cancels its requests, which frees their slots.
 
 One HTTP request becomes one engine request per choice: a list of prompts gives one choice per prompt, `n` gives n
 choices per prompt (index = prompt * n + j), each with its own seed derived from the request's `seed`
-(`derive_seed`). `ignore_eos` continues a choice that stopped at the model's eos by submitting prompt + output so
-far for the rest of its budget (a re-prefill; the engine's compiled loop always stops at the model's eos).
+(`derive_seed`). `ignore_eos` is the row's own flag on the device: the model's eos does not stop it (the request's
+`stop_token_ids` still do), as vLLM applies it.
 Logprobs (`logprobs`, chat's `top_logprobs`) and `echo` come from the engine's scores (`logprobs.py` gives them
 OpenAI's shapes); `max_tokens: 0` with `echo` runs one token and drops it, returning only the scored prompt.
 """
@@ -232,8 +232,8 @@ def _render_chat(tokenizer, messages: list[dict[str, str]], chat_format: str) ->
 
 
 def derive_seed(seed: int, *path: int) -> int:
-    """The 32-bit engine seed at `path` below a request's `seed` (choice j, continuation part p); the all-zero path
-    is the seed itself, so choice 0 of n samples what the same request with n = 1 does."""
+    """The 32-bit engine seed at `path` below a request's `seed` (choice j); the all-zero path is the seed itself, so
+    choice 0 of n samples what the same request with n = 1 does."""
     if not any(path):
         return seed % 2**32
     digest = hashlib.blake2b("/".join(map(str, (seed, *path))).encode(), digest_size=4).digest()
@@ -248,7 +248,6 @@ class _Choice:
     seed: int | None  # None: the engine draws one
     text: ChoiceText
     request: EngineRequest | None = None  # the engine request running now
-    parts: int = 0  # engine requests submitted for it (more than one only with ignore_eos)
     reason: str | None = None  # finish reason, once finished
     # logprobs: the scores of every token taken (text.tokens is a prefix of those), how many of the running engine
     # request's were taken, the echoed prompt's scores (its first token None), and what a stream has sent
@@ -319,7 +318,6 @@ class _Run:
         self.echo = not chat and bool(body.echo)
         self.updates: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        self._eos = set(engine.stop_ids) - set(body.stop_token_ids)  # what ignore_eos generates past
 
     def start(self) -> None:
         try:
@@ -333,18 +331,16 @@ class _Run:
             raise _BadRequest(str(e), "prompt") from None
 
     def _submit(self, c: _Choice) -> None:
-        done = c.text.tokens  # all it generated so far (a continuation starts only while no stop string matched)
         b = self.body
-        seed = c.seed if c.seed is None else derive_seed(c.seed, 0, c.parts)
         sampling = Sampling(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p)
-        budget = max(c.max_tokens - len(done), 1)  # max_tokens 0 (echo): one token, dropped
-        r = EngineRequest(c.prompt + done, budget, sampling, seed, tuple(b.stop_token_ids))
-        r.logprobs, r.echo = self.top is not None, self.echo and self.top is not None and c.parts == 0
-        r.min_tokens = min(max(b.min_tokens - len(done), 0), budget)
+        budget = max(c.max_tokens, 1)  # max_tokens 0 (echo): one token, dropped
+        r = EngineRequest(list(c.prompt), budget, sampling, c.seed, tuple(b.stop_token_ids))
+        r.logprobs, r.echo = self.top is not None, self.echo and self.top is not None
+        r.min_tokens, r.ignore_eos = min(b.min_tokens, budget), b.ignore_eos
         put = self.updates.put_nowait
         r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
         self.engine.submit(r)
-        c.request, c.parts, c.taken = r, c.parts + 1, 0
+        c.request, c.taken = r, 0
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -367,7 +363,7 @@ class _Run:
         if c.text.stopped:
             self.engine.cancel(r, "stop")  # frees the slot at once
             c.reason = "stop"
-        elif reason is not None and not self._continue(c, reason):
+        elif reason is not None:
             delta += c.text.finish()
             c.reason = reason
         return delta
@@ -401,21 +397,6 @@ class _Run:
             c.offset += sum(len(t) for t in out["tokens"])
         return out
 
-    def _continue(self, c: _Choice, reason: str) -> bool:
-        """With ignore_eos, submit the rest of a choice that stopped at the model's eos; False if it ends here."""
-        tokens = c.text.tokens
-        if not (self.body.ignore_eos and reason == "stop" and tokens and tokens[-1] in self._eos):
-            return False
-        left = c.max_tokens - len(tokens)
-        if left < 1 or self.engine.check(len(c.prompt) + len(tokens), left):
-            return False  # the budget is spent, or the prompt's prefill chunks would not fit: ends at the eos
-        try:
-            self._submit(c)
-        except QueueFull:
-            log.warning("ignore_eos: the queue is full; choice %d ends at the model's eos", c.index)
-            return False
-        return True
-
     async def events(self, next_update: Callable) -> AsyncIterator[tuple[int, str, str | None]]:
         """(choice index, text delta, finish reason or None) until every choice has finished; cancels what is left
         if abandoned."""
@@ -434,10 +415,15 @@ class _Run:
         finally:
             self.cancel()
 
-    def usage(self, prompts: list[list[int]]) -> dict[str, int]:
+    def usage(self, prompts: list[list[int]]) -> dict[str, Any]:
+        """Token counts, each prompt once whatever n is (as OpenAI), with its tokens reused from the prefix cache
+        (`prompt_tokens_details.cached_tokens`, as its first choice reused them)."""
         done = sum(len(c.text.tokens) for c in self.choices)
-        prompt = sum(len(p) for p in prompts)  # each prompt once, whatever n is (as OpenAI)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        prompt = sum(len(p) for p in prompts)
+        firsts = self.choices[:: len(self.choices) // len(prompts)]
+        cached = sum(c.request.cached_tokens for c in firsts if c.request is not None)
+        counts = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return counts | {"prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):

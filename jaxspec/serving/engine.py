@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving import fanout
 from jaxspec.serving.adaptive import DraftPolicy, measured_tokens_per_second
 from jaxspec.serving.executor import Executor
-from jaxspec.serving.plan import Segment, StepPlan, StepResult
+from jaxspec.serving.plan import RowAdmission, Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler, StepReport
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "Request"]
@@ -68,6 +69,23 @@ class EngineConfig:
     # While every occupied row is greedy, segments run the static-greedy program (argmax head, no per-row warping
     # or sampling); its tokens are the per-row program's for greedy rows. False: always the per-row program.
     greedy_program: bool = True
+    # The cache pool (blocks.py): every slot's target and drafter cache positions live in blocks of it, so requests
+    # share one budget of positions instead of each slot owning max_context of them, and share cached prefixes.
+    kv_cache_tokens: int = _setting(0, "cache positions in the shared pool (0: max-batch x max-context)")
+    block_size: int = _setting(
+        0, "positions per cache block (0: the largest dividing the prefill chunk and every context bucket)"
+    )
+    prefix_cache: bool = _setting(True, "reuse the cache of full prompt blocks another request already computed")
+
+    @property
+    def block(self) -> int:
+        """Positions per cache block (`block_size`, or its default)."""
+        return self.block_size or math.gcd(self.prefill_chunk, *self.contexts)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks in the cache pool (the null block aside)."""
+        return (self.kv_cache_tokens or self.max_batch * self.max_context) // self.block
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -107,10 +125,27 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.context_buckets: expected sizes in [1, {self.max_context}], got {self.context_buckets}"
             )
+        self._check_pool()
         if self.max_context % self.prefill_chunk:
             raise ValueError(
                 f"EngineConfig.max_context ({self.max_context}) must be a multiple of prefill_chunk "
                 f"({self.prefill_chunk})"
+            )
+
+    def _check_pool(self) -> None:
+        for name in ("kv_cache_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"EngineConfig.{name}: expected an integer >= 0, got {value!r}")
+        if any(n % self.block for n in (self.prefill_chunk, *self.contexts)):
+            raise ValueError(
+                f"EngineConfig.block_size: {self.block} must divide the prefill chunk ({self.prefill_chunk}) and "
+                f"every context bucket {self.contexts}"
+            )
+        if self.kv_cache_tokens and self.kv_cache_tokens < self.max_context:
+            raise ValueError(
+                f"EngineConfig.kv_cache_tokens: expected at least max_context ({self.max_context}), "
+                f"got {self.kv_cache_tokens}"
             )
 
 
@@ -149,11 +184,13 @@ class Engine:
             prefill_chunk=config.prefill_chunk,
             stop_ids=self.stop_ids,
             shapes=config.shapes,
+            pool=(config.pool_blocks, config.block),
         )
         self.channel = channel
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._counters = None  # the loop's counters after the last step, for metric deltas
+        self._pool_seen = (0, 0, 0)  # the scheduler's preemptions and prefix-cache queries and hits, counted so far
 
     # ------------------------------------------------------------------ public, thread-safe
     def check(self, prompt_len: int, max_tokens: int) -> str | None:
@@ -213,8 +250,8 @@ class Engine:
             pass
 
     def warmup(self, on_progress: Callable[[str], None] = log.info) -> float:
-        """Compile every program the engine uses (admit, prefill chunk, every segment bucket and program, free) by
-        serving two dummy requests, one of them cancelled; returns the seconds taken."""
+        """Compile every program the engine uses (admit, prefill chunk, every segment bucket and program, a prefix
+        hit, free) by serving two dummy requests, one of them cancelled; returns the seconds taken."""
         start = time.perf_counter()
         cfg, draft = self.config, self.config.draft
         metrics, self.metrics = self.metrics, None  # the dummy requests are not traffic
@@ -239,6 +276,11 @@ class Engine:
                 f"{len(programs)} programs compiled ({time.perf_counter() - start:.1f}s)"
             )
         self.run_until_idle()
+        # A prefix hit's program (the row's key advanced past the cached chunks): a row admitted as if its first
+        # chunk were cached, then freed (every row is free here; the next admission rewrites it).
+        chunk = cfg.prefill_chunk
+        self._run(StepPlan(0, admit=(RowAdmission(0, (1,) * (chunk + 1), 1, cached=chunk),)))
+        self._run(StepPlan(0, free=(0,)))
         second = Request([1] * 3, 8)
         self.submit(second)
         self.step()
@@ -247,6 +289,8 @@ class Engine:
         on_progress(f"  cancel program compiled; warm-up done in {time.perf_counter() - start:.1f}s")
         self.metrics = metrics
         self.scheduler.policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
+        s = self.scheduler
+        self._pool_seen = (s.preemptions, s.tables.queries, s.tables.hits)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ internals
@@ -273,6 +317,19 @@ class Engine:
             self.metrics.requests.labels(r.finish_reason).inc()
         self.metrics.queue_depth.set(self.scheduler.queue_depth)
         self.metrics.occupancy.set(self.scheduler.occupancy)
+        self._observe_pool()
+
+    def _observe_pool(self) -> None:
+        """The pool's usage, and the preemptions and prefix-cache lookups since the last step (warm-up's excluded)."""
+        s, t = self.scheduler, self.scheduler.tables
+        totals = (s.preemptions, t.queries, t.hits)
+        deltas = [now - seen for now, seen in zip(totals, self._pool_seen, strict=True)]
+        self._pool_seen = totals
+        for counter, delta in zip(
+            (self.metrics.preemptions, self.metrics.prefix_queries, self.metrics.prefix_hits), deltas, strict=True
+        ):
+            counter.inc(delta)
+        self.metrics.kv_cache_usage.set(t.pool.used / t.pool.num_blocks)
 
     def _observe_counters(self, counters, segment: Segment | None, seconds: float | None) -> None:
         if self.metrics is not None and self._counters is not None:
@@ -293,6 +350,7 @@ class Engine:
             except Exception:  # a failed device call must not take the server down: fail what ran, start clean
                 log.exception("engine step failed; failing the running requests and resetting the slots")
                 self._observe(self.scheduler.abandon("error", queued=False))
+                self.scheduler.tables.pool.clear()  # the pool is zeroed: nothing cached in it holds any more
                 if self.channel is not None:
                     self.channel.publish(fanout.RESET)
                 self.executor.reset()

@@ -1,10 +1,14 @@
 """The serving executor: runs one `StepPlan` (plan.py) on the device and returns its `StepResult`.
 
-It owns the device side of serving: the loop state of every slot (`LoopState`, B rows x S positions) and the
-compiled programs that change it (admit, free, one prefill chunk of one row, a segment over a window of rows and
-positions). It decides nothing: which rows, chunks, buckets and program run is the plan's, so every process of a
+It owns the device side of serving: the loop state of every slot (`LoopState`, B rows x S positions, without its
+caches), the cache pool (`CachePool`: the target's latent cache and the drafter's KV in blocks of positions; block 0
+is the null block) with each row's block table, and the compiled programs that change them (admit, free, one prefill
+chunk of one row, a segment over a window of rows and positions). A prefill chunk or a segment gathers its rows'
+blocks into the dense window of the state the compiled loop runs on, and scatters the window's caches back through
+the same tables (a cached prefix block shared by rows gets back the values it had: nothing below a row's prompt end
+is written). It decides nothing: which rows, chunks, buckets and program run is the plan's, so every process of a
 multi-process server runs the same programs in the same order from the same plans. The plan's parts run in the order
-plan.py gives (free, admit, prefill, segment, read).
+plan.py gives (free, blocks, admit, prefill, segment, read).
 """
 
 from __future__ import annotations
@@ -12,24 +16,36 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.spec_loop import key_after_prefill
 from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, RowResult, Segment, StepPlan, StepResult
-from sharding.multihost import to_host
+from sharding.multihost import put_global, to_host
+
+
+class CachePool(NamedTuple):
+    """The pool's arrays: the target's latent cache [L, N, block, Y] and the drafter's cache ([N, block, ...] each;
+    None without a drafter), N blocks of `block` positions (what `init_cache(N, block)` makes)."""
+
+    target: jax.Array
+    drafter: Any
 
 
 class Executor:
-    """The slots' loop state and the programs that run a plan on it. `draft` is the shape the state is built for and
-    prefill drafts with; `shapes` the draft shapes a segment may run (default: `draft` alone; more: chains no deeper
-    than `draft`, all running on the one state, each compiled once); `stop_ids` the model's stop ids (they stop
-    every row)."""
+    """The slots' loop state, the cache pool and the programs that run a plan on them. `draft` is the shape the
+    state is built for and prefill drafts with; `shapes` the draft shapes a segment may run (default: `draft` alone;
+    more: chains no deeper than `draft`, all running on the one state, each compiled once); `stop_ids` the model's
+    stop ids (they stop every row); `pool` (blocks, block size): the pool's size (the null block aside) and its
+    blocks' positions."""
 
     def __init__(
         self,
@@ -41,6 +57,7 @@ class Executor:
         max_context: int,
         prefill_chunk: int,
         stop_ids: tuple[int, ...],
+        pool: tuple[int, int],
         shapes: tuple[DraftShape, ...] = (),
     ):
         self.target, self.draft = target, draft
@@ -66,34 +83,47 @@ class Executor:
         # only the target), so there is nothing to fix.
         self._greedy_leaves_q = self.drafter is not None and not draft.tree
         self._q_stale = False
-        self.state = self._empty()
+        self.blocks, self.block = pool
+        self.reset()
 
     def reset(self) -> None:
-        """Every row free again (after a failed step: whatever the device holds may be half-written)."""
-        self.state, self._q_stale = self._empty(), False
-
-    def _empty(self) -> LoopState:
+        """Every row free again and the pool zeroed (after a failed step: the device may hold half-written values)."""
         target, drafter, B, S = self.target, self.drafter, self.max_batch, self.max_context
         lazy = len(self.shapes) > 1  # plain segments leave the drafter behind; the chain's catch it up
-        return LoopState.empty(target, drafter, self.draft, B, S, per_row=True, logprobs=True, lazy_drafter=lazy)
+        empty = dict(per_row=True, logprobs=True, lazy_drafter=lazy, caches=False)
+        self.state = LoopState.empty(target, drafter, self.draft, B, S, **empty)
+        blocks = self.blocks + 1
+        self.pool = CachePool(
+            target.init_cache(blocks, self.block), drafter.init_cache(blocks, self.block) if drafter else None
+        )
+        self.tables = np.zeros((B, S // self.block), np.int32)  # each row's blocks; 0: the null block
+        self._tables = put_global(self.tables.copy(), self.state.tokens_BS.sharding)
+        self._q_stale = False
 
     def _params(self):
         return self.target.params, self.drafter.params if self.drafter is not None else None
 
     # ------------------------------------------------------------------ one plan
     def run(self, plan: StepPlan) -> StepResult:
-        """Run `plan` (free, admit, prefill, segment, read) and return what its reads found."""
+        """Run `plan` (free, blocks, admit, prefill, segment, read) and return what its reads found."""
         for row in plan.free:
             self.state = _free(self.state, np.int32(row))
+        if plan.blocks:
+            for b in plan.blocks:
+                self.tables[b.row] = 0
+                self.tables[b.row, : len(b.blocks)] = b.blocks
+            self._tables = put_global(self.tables.copy(), self.state.tokens_BS.sharding)
         for a in plan.admit:
-            init = RowInit.of(
-                a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context, a.logprobs, a.min_new
-            )
+            row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
+            init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos)
             self.state = _admit(self.state, np.int32(a.row), init)
+            if a.cached:  # its prefill starts past the cached prefix: its key as if the chunks before had run
+                self.state = _skip_prefill(self.state, np.int32(a.row), np.int32(a.cached // self.prefill_chunk))
         for chunk in plan.prefill:
-            self.state = self.loop.prefill_slot(
-                self.per_row, *self._params(), self.state, np.int32(chunk.row), np.int32(chunk.start)
-            )
+            row = np.int32(chunk.row)
+            part = _gather(self.state, self.pool, self._tables, row, 1, None)
+            part = self.loop.prefill_slot(self.per_row, *self._params(), part, np.int32(0), np.int32(chunk.start))
+            self.state, self.pool = _scatter(self.state, self.pool, self._tables, part, row)
         seconds = None
         if plan.segment is not None:
             jax.block_until_ready(self.state)  # the segment's own time: what the scheduler's cost estimates learn
@@ -116,12 +146,9 @@ class Executor:
         elif self._q_stale:
             self.state = _fix_greedy_q(self.state)
             self._q_stale = False
-        cycles = jnp.int32(segment.cycles)
-        if (segment.rows, segment.positions) == (self.max_batch, self.max_context):
-            self.state = self.loop.run(program, *self._params(), self.state, cycles)
-            return
-        part = self.loop.run(program, *self._params(), _window(self.state, segment.rows, segment.positions), cycles)
-        self.state = _put(self.state, part)
+        part = _gather(self.state, self.pool, self._tables, np.int32(0), segment.rows, segment.positions)
+        part = self.loop.run(program, *self._params(), part, jnp.int32(segment.cycles))
+        self.state, self.pool = _scatter(self.state, self.pool, self._tables, part, np.int32(0))
 
     def counters(self) -> Counters:
         """The loop's running totals (cycles, per-depth reached / accepted, the accepted-length histogram)."""
@@ -165,14 +192,58 @@ _admit = jax.jit(LoopState.admit, donate_argnums=0)
 _free = jax.jit(LoopState.free, donate_argnums=0)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _window(state: LoopState, rows: int, positions: int) -> LoopState:
-    return state.window(rows, positions)
-
-
 @functools.partial(jax.jit, donate_argnums=0)
-def _put(state: LoopState, part: LoopState) -> LoopState:
-    return state.put(part)
+def _skip_prefill(state: LoopState, row, chunks) -> LoopState:
+    return state.replace(key=state.key.at[row].set(key_after_prefill(state.key[row], chunks)))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _gather(state: LoopState, pool: CachePool, tables, start, rows: int, positions: int | None) -> LoopState:
+    """The window of rows [start, start + rows) and positions [0, positions) (all: None), its caches read from the
+    pool through the rows' block tables."""
+    window = state.window(rows, positions, start)
+    block = pool.target.shape[2]
+    blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
+    R, K = blocks_RK.shape
+
+    def read(cache, axis):  # [.., N, block, ..] -> [.., R, K * block, ..], the rows sharded as the blocks were
+        spec = _spec(cache)
+        out = _sharding(cache, (*spec[: axis + 1], None, *spec[axis + 1 :]))
+        x = cache.at[(slice(None),) * axis + (blocks_RK,)].get(out_sharding=out)
+        return x.reshape(x.shape[:axis] + (R, K * block) + x.shape[axis + 3 :])
+
+    drafter = jax.tree.map(lambda c: read(c, 0), pool.drafter)
+    return window.replace(target_cache=read(pool.target, 1), draft_cache=drafter)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) -> tuple[LoopState, CachePool]:
+    """Put `part`, a `_gather`ed window from row `start`, back: its rows into the state, its caches into the pool
+    through the rows' block tables (positions a row owns no block for go to the null block)."""
+    block = pool.target.shape[2]
+    R, P = part.tokens_BS.shape
+    blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, R)[:, : P // block]
+
+    def write(cache, window, axis):  # window [.., R, P, ..] -> its blocks of the pool
+        x = window.reshape(window.shape[:axis] + (R, P // block, block) + window.shape[axis + 2 :])
+        spec = _spec(cache)  # the indexed blocks [R, K] replicated, the other axes sharded as the pool's
+        x = jax.sharding.reshard(x, _sharding(cache, (*spec[:axis], None, None, *spec[axis + 1 :])))
+        return cache.at[(slice(None),) * axis + (blocks_RK,)].set(x, out_sharding=jax.typeof(cache).sharding)
+
+    target = write(pool.target, part.target_cache, 1)
+    drafter = jax.tree.map(lambda c, w: write(c, w, 0), pool.drafter, part.draft_cache)
+    state = state.put(part.replace(target_cache=None, draft_cache=None), start)
+    return state, CachePool(target, drafter)
+
+
+def _spec(x: jax.Array) -> tuple:
+    """`x`'s PartitionSpec (traced), one entry per axis."""
+    spec = jax.typeof(x).sharding.spec
+    return (*spec, *(None,) * (x.ndim - len(spec)))
+
+
+def _sharding(x: jax.Array, spec: tuple) -> NamedSharding:
+    return NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec(*spec))
 
 
 @jax.jit

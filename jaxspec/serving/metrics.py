@@ -18,6 +18,11 @@ What they mean (also in the README's "Serving" section):
   `--num-steps auto` the shape changes per segment); `jaxspec_segment_predicted_tokens_per_second` and
   `jaxspec_segment_measured_tokens_per_second`: the last segment's throughput as the scheduler's cost model predicted
   it when choosing the shape (absent until that shape was timed at that batch bucket) and as it ran.
+- The cache pool (as vLLM's `kv_cache_usage_perc`, `num_preemptions`, `prefix_cache_queries` / `_hits`):
+  `jaxspec_kv_cache_usage_perc`: the fraction of the pool's blocks rows hold (of `jaxspec_kv_cache_blocks`);
+  `jaxspec_num_preemptions_total`: rows preempted because the pool ran out (resumed later by recompute);
+  `jaxspec_prefix_cache_queries_total` / `jaxspec_prefix_cache_hits_total`: prompt tokens looked up in the prefix
+  cache, and those found there (their ratio is the hit rate).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class Metrics:
     """The server's metrics; `render()` is the /metrics body."""
 
-    def __init__(self, draft: DraftShape, slots: int, *, window: float = 10.0):
-        """`draft`: what every cycle drafts; `slots`: the compiled batch."""
+    def __init__(self, draft: DraftShape, slots: int, *, window: float = 10.0, pool_blocks: int = 0):
+        """`draft`: what every cycle drafts; `slots`: the compiled batch; `pool_blocks`: the cache pool's blocks."""
         num_steps = draft.num_steps
         self.registry = r = CollectorRegistry()
         self.window = window
@@ -77,6 +82,13 @@ class Metrics:
             "jaxspec_segment_predicted_tokens_per_second", "The last segment's predicted tokens/s", registry=r
         )
         self.measured = Gauge("jaxspec_segment_measured_tokens_per_second", "The last segment's tokens/s", registry=r)
+        Gauge("jaxspec_kv_cache_blocks", "Blocks of the cache pool", registry=r).set(pool_blocks)
+        self.kv_cache_usage = Gauge("jaxspec_kv_cache_usage_perc", "Fraction of the pool's blocks held", registry=r)
+        self.preemptions = Counter("jaxspec_num_preemptions", "Rows preempted: the cache pool ran out", registry=r)
+        self.prefix_queries = Counter(
+            "jaxspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter("jaxspec_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.num_steps = num_steps
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._totals = np.zeros(2)  # row cycles, accepted drafts since start

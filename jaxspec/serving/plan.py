@@ -5,16 +5,19 @@ and the scheduler's `update` delivers that result to the requests. Both values a
 serialise (`to_bytes` / `from_bytes`, JSON), because the plan is what crosses processes: process 0 decides, and every
 process runs the same plans in the same order. The executor runs a plan's parts in this order:
 
-1. `free`: rows whose request was cancelled are marked done (a row whose request finished is done already);
-2. `admit`: each `RowAdmission` writes one row's prompt, budget, sampling settings, stop ids and seed;
-3. `prefill`: one `PrefillChunk` (row, start) for each row still prefilling, in the order given;
-4. `segment`: `cycles` cycles of the draft-verify loop over rows [0, rows) and positions [0, positions) (compiled
+1. `free`: rows whose request was cancelled or preempted are marked done (a row whose request finished is done
+   already);
+2. `blocks`: each `RowBlocks` replaces one row's block table (its blocks of the cache pool, in position order; a row
+   that left gets none: every position of it then maps to the null block);
+3. `admit`: each `RowAdmission` writes one row's prompt, budget, sampling settings, stop ids and seed;
+4. `prefill`: one `PrefillChunk` (row, start) for each row still prefilling, in the order given (a row that reuses a
+   cached prefix starts past it);
+5. `segment`: `cycles` cycles of the draft-verify loop over rows [0, rows) and positions [0, positions) (compiled
    buckets), drafting `draft` (a `DraftShape`), as the static-greedy program (`greedy`) or the per-row one; None when
    no row is generating;
-5. `read`: for each `RowRead` (row, start), the row's tokens from `start` to its end and whether it is done (and
+6. `read`: for each `RowRead` (row, start), the row's tokens from `start` to its end and whether it is done (and
    their logprobs, for a row admitted with `logprobs`; with `RowRead.prompt`, its prompt's too).
 
-Later parts of the plan (a block table per row, a prefix hit's reused length) are further fields of the same kind.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class RowAdmission:
     seed: int = 0  # the row's random key is jax.random.key(seed); drawn by the scheduler when the request has none
     logprobs: bool = False  # the row's tokens (and prompt) are scored: segments run the per-row program
     min_new: int = 0  # stop ids are masked until the row has this many new tokens (per-row program)
+    ignore_eos: bool = False  # the model's stop ids do not stop the row (its own stop ids still do)
+    cached: int = 0  # prompt positions reused from the prefix cache (a multiple of the prefill chunk), not prefilled
 
     def __post_init__(self):
         _int("RowAdmission", "row", self.row, 0)
@@ -64,8 +69,10 @@ class RowAdmission:
             raise ValueError(f"RowAdmission.stop_ids: expected at most {MAX_STOP_IDS}, got {len(self.stop_ids)}")
         _int("RowAdmission", "seed", self.seed, 0, 2**32 - 1)
         _int("RowAdmission", "min_new", self.min_new, 0, self.max_new)
-        if not isinstance(self.logprobs, bool):
-            raise ValueError(f"RowAdmission.logprobs: expected a bool, got {self.logprobs!r}")
+        _int("RowAdmission", "cached", self.cached, 0, len(self.prompt) - 1)
+        for name in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RowAdmission.{name}: expected a bool, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -76,7 +83,7 @@ class RowAdmission:
     def from_dict(cls, d: dict[str, Any]) -> RowAdmission:
         sampling = Sampling(**d["sampling"])
         prompt, stop_ids = tuple(d["prompt"]), tuple(d["stop_ids"])
-        extra = d.get("logprobs", False), d.get("min_new", 0)
+        extra = d.get("logprobs", False), d.get("min_new", 0), d.get("ignore_eos", False), d.get("cached", 0)
         return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], *extra)
 
 
@@ -130,6 +137,20 @@ class RowRead(RowPosition):
     prompt: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    """Row `row`'s block table from now on: the pool blocks holding its positions [0, len(blocks) * block_size)."""
+
+    row: int
+    blocks: tuple[int, ...]
+
+    def __post_init__(self):
+        _int("RowBlocks", "row", self.row, 0)
+        ok = isinstance(self.blocks, tuple) and all(type(b) is int and b >= 1 for b in self.blocks)
+        if not ok:
+            raise ValueError(f"RowBlocks.blocks: expected a tuple of block ids >= 1, got {self.blocks!r}")
+
+
 def _unique_rows(name: str, parts: tuple) -> None:
     rows = [p.row for p in parts]
     if len(set(rows)) != len(rows):
@@ -146,10 +167,12 @@ class StepPlan:
     prefill: tuple[PrefillChunk, ...] = ()
     segment: Segment | None = None
     read: tuple[RowRead, ...] = ()
+    blocks: tuple[RowBlocks, ...] = ()
 
     def __post_init__(self):
         _int("StepPlan", "step", self.step, 0)
-        for name, kind in (("admit", RowAdmission), ("prefill", PrefillChunk), ("read", RowRead)):
+        parts = (("admit", RowAdmission), ("prefill", PrefillChunk), ("read", RowRead), ("blocks", RowBlocks))
+        for name, kind in parts:
             parts = getattr(self, name)
             if not isinstance(parts, tuple) or any(not isinstance(p, kind) for p in parts):
                 raise ValueError(f"StepPlan.{name}: expected a tuple of {kind.__name__}, got {parts!r}")
@@ -174,6 +197,7 @@ class StepPlan:
             "prefill": [dataclasses.asdict(c) for c in self.prefill],
             "segment": self.segment.to_dict() if self.segment is not None else None,
             "read": [dataclasses.asdict(r) for r in self.read],
+            "blocks": [[b.row, list(b.blocks)] for b in self.blocks],
         }
 
     @classmethod
@@ -185,6 +209,7 @@ class StepPlan:
             tuple(PrefillChunk(**c) for c in d["prefill"]),
             Segment.from_dict(d["segment"]) if d["segment"] is not None else None,
             tuple(RowRead(**r) for r in d["read"]),
+            tuple(RowBlocks(row, tuple(blocks)) for row, blocks in d["blocks"]),
         )
 
     def to_bytes(self) -> bytes:

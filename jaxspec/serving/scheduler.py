@@ -14,15 +14,20 @@ requests. What it decides, in this order, for each step:
 `update` delivers new tokens (`on_update(request, new_tokens)`), frees the slot of a finished row, and returns a
 `StepReport` (who got how many tokens, who finished) from which the engine keeps its metrics.
 
-The segment's draft shape is the `DraftPolicy`'s (adaptive.py): among the compiled candidate shapes, the one it
-predicts fastest for the rows generating now, from the segment times and acceptance counters `update` hands it.
-The block table and the prefix index are decisions of the same kind: they go here, and their outcome into the plan.
+Cache memory is a pool of fixed-size blocks (blocks.py): a request is admitted when the pool can give it its cached
+prefix plus fresh blocks for what it reaches in its first segment, and each step first grows every row's blocks to
+what it can reach in the next segment (deepest draft), oldest row first. When the pool runs out, the newest row is
+preempted: its blocks go back and its request waits at the head of the queue, resumed by prefilling its prompt and
+the tokens it has (recompute; its client sees one continuous answer). Each change of a row's blocks goes into the
+plan. The segment's draft shape is the `DraftPolicy`'s (adaptive.py): the candidate it predicts fastest for the rows
+generating now, from the segment times and counters `update` hands it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import secrets
 import threading
@@ -31,18 +36,21 @@ from collections.abc import Callable
 from typing import Protocol
 
 from jaxspec.decoding.draft_shape import DraftShape
-from jaxspec.decoding.sampling_params import Sampling
 from jaxspec.serving.adaptive import DraftPolicy
+from jaxspec.serving.blocks import BlockPool, BlockTables
 from jaxspec.serving.plan import (
     MAX_STOP_IDS,
     PrefillChunk,
     RowAdmission,
+    RowBlocks,
     RowRead,
     Segment,
     StepPlan,
     StepResult,
-    TokenLogprob,
 )
+from jaxspec.serving.request import Delivery, QueueFull, Request, StepReport
+
+__all__ = ["QueueFull", "Request", "Scheduler", "SlotConfig", "StepReport"]
 
 log = logging.getLogger("jaxspec.serving")
 
@@ -50,10 +58,6 @@ log = logging.getLogger("jaxspec.serving")
 def random_seed() -> int:
     """A seed for a request that brings none (32 bits, as the loop's keys take)."""
     return secrets.randbits(32)
-
-
-class QueueFull(RuntimeError):
-    """The bounded admission queue is full (the HTTP layer answers 429)."""
 
 
 class SlotConfig(Protocol):
@@ -65,6 +69,13 @@ class SlotConfig(Protocol):
     segment_cycles: int
     max_queue: int
     greedy_program: bool
+    prefix_cache: bool
+
+    @property
+    def block(self) -> int: ...  # positions per cache block
+
+    @property
+    def pool_blocks(self) -> int: ...  # blocks in the cache pool
 
     @property
     def buckets(self) -> tuple[int, ...]: ...  # compiled segment row counts, ascending, the last = max_batch
@@ -73,66 +84,19 @@ class SlotConfig(Protocol):
     def contexts(self) -> tuple[int, ...]: ...  # compiled segment positions, ascending, the last = max_context
 
 
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation request. The scheduler fills in the output fields and calls `on_update(request, new_tokens)`
-    from the engine's thread whenever tokens arrive and once more when the request finishes (finish_reason set)."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: Sampling = Sampling()
-    seed: int | None = None  # None: a random seed
-    stop_ids: tuple[int, ...] = ()  # extra stop token ids (the model's eos always stops)
-    on_update: Callable[[Request, list[int]], None] | None = None
-    logprobs: bool = False  # score each generated token (`token_logprobs`)
-    echo: bool = False  # score the prompt's tokens 1.. too (`prompt_logprobs`, set before the first tokens arrive)
-    min_tokens: int = 0  # stop ids (eos and the request's) cannot end it before this many tokens
-    # filled in by the scheduler
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token (with logprobs)
-    prompt_logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
-    arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    slot: int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 @dataclasses.dataclass
 class Slot:
     """A slot's request and its prefill progress."""
 
     request: Request
     next_chunk: int | None  # start of the next prefill chunk; None once prefill is done (the row is generating)
-
-
-@dataclasses.dataclass(frozen=True)
-class Delivery:
-    """`count` tokens handed to `request` at time `at`; `since`: when its previous tokens came (None: its first)."""
-
-    request: Request
-    count: int
-    since: float | None
-    at: float
-
-
-@dataclasses.dataclass(frozen=True)
-class StepReport:
-    """What one step did to the requests: tokens delivered, and requests finished (cancellations included)."""
-
-    delivered: tuple[Delivery, ...] = ()
-    finished: tuple[Request, ...] = ()
+    order: int = 0  # admission order: the newest row is preempted first
 
 
 class Scheduler:
     """The queue, the slots and the plan of each step. `submit` and `cancel` are thread-safe; `schedule`, `update` and
     `abandon` belong to the engine's thread. `seeds()` draws a seed for a request without one (default: secrets).
-    `draft`: the deepest draft shape (what a slot must leave room for); `shapes`: the candidates each segment's shape
-    is chosen from (default: `draft` alone)."""
+    `draft`: the deepest draft shape (slots leave room for it); `shapes`: each segment's candidates (default: draft)."""
 
     def __init__(
         self,
@@ -155,6 +119,11 @@ class Scheduler:
         self._cancels: list[tuple[Request, str]] = []
         self._free: list[int] = []  # rows to free in the next plan (abandoned slots)
         self._finished: list[Request] = []  # finished since the last report
+        pool = BlockPool(config.pool_blocks, config.block)
+        self.tables = BlockTables(pool, prefill_chunk=config.prefill_chunk, caching=config.prefix_cache)
+        # A pool smaller than every slot's full context can run out mid-generation: then rows are preempted.
+        self._preemptible = config.pool_blocks < config.max_batch * self.tables.blocks_for(config.max_context)
+        self.preemptions, self._admissions = 0, itertools.count()
         self._lock = threading.Condition()
 
     # ------------------------------------------------------------------ public, thread-safe
@@ -162,11 +131,17 @@ class Scheduler:
         """Why a request does not fit a slot (None if it does)."""
         cfg, ahead = self.config, self.draft.lookahead
         need = prompt_len + max_tokens + ahead + 1
-        chunked = -(-prompt_len // cfg.prefill_chunk) * cfg.prefill_chunk + 1
+        # A preempted request resumes by prefilling its prompt and its tokens so far (all but the last, at most).
+        resumed = prompt_len + (max_tokens - 1 if self._preemptible else 0)
+        chunked = -(-resumed // cfg.prefill_chunk) * cfg.prefill_chunk + 1
         if max(need, chunked) > cfg.max_context:
             return (
                 f"prompt of {prompt_len} tokens + max_tokens {max_tokens} (+ {ahead + 1} for drafting) "
                 f"exceeds the context of {cfg.max_context} positions per slot"
+            )
+        if self.tables.blocks_for(max(need, chunked)) > cfg.pool_blocks:
+            return (
+                f"prompt + max_tokens exceed the cache pool's {cfg.pool_blocks * cfg.block} positions (kv-cache-tokens)"
             )
         return None
 
@@ -181,6 +156,8 @@ class Scheduler:
             raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
         if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_tokens:
             raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {request.min_tokens!r}")
+        if not isinstance(request.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {request.ignore_eos!r}")
         seed = request.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
             raise ValueError(f"seed: expected an integer in [0, 2**32), got {request.seed!r}")
@@ -227,7 +204,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the engine thread's
     def schedule(self) -> StepPlan:
         """Decide the next step (see the module docstring) and return its plan."""
-        free = self._apply_cancels()
+        free = self._apply_cancels() + self._grow()
         admit = self._admit_queued()
         prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is not None]
         running = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is None]
@@ -242,7 +219,8 @@ class Scheduler:
         )
         self.step += 1
         self._segment_run = segment
-        return StepPlan(self.step, free, admit, prefill, segment, read)
+        blocks = tuple(RowBlocks(row, b) for row, b in self.tables.changes())
+        return StepPlan(self.step, free, admit, prefill, segment, read, blocks)
 
     def update(self, result: StepResult) -> StepReport:
         """Hand a step's new tokens to their requests; free the slots of finished ones."""
@@ -268,10 +246,11 @@ class Scheduler:
                 r.tokens.extend(new)
             if row.done:
                 self.slots[row.row] = None
-                stopped = r.tokens and r.tokens[-1] in self.stop_ids + tuple(r.stop_ids)
+                self.tables.release(row.row)
+                stopped = r.tokens and r.tokens[-1] in (() if r.ignore_eos else self.stop_ids) + tuple(r.stop_ids)
                 self._finish(r, "stop" if stopped else "length", new)
             elif new:
-                _notify(r, new)
+                r.notify(new)
         return StepReport(tuple(delivered), self._take_finished())
 
     def abandon(self, reason: str, *, queued: bool = True) -> StepReport:
@@ -284,6 +263,7 @@ class Scheduler:
         for i, s in enumerate(self.slots):
             if s is not None:
                 self.slots[i] = None
+                self.tables.release(i)
                 self._free.append(i)
                 self._finish(s.request, reason)
         for request in waiting:
@@ -304,37 +284,79 @@ class Scheduler:
                 continue
             if request.slot is not None:
                 self.slots[request.slot] = None
+                self.tables.release(request.slot)
                 free.append(request.slot)
             self._finish(request, reason)
         return tuple(dict.fromkeys(free))
 
     def _admit_queued(self) -> tuple[RowAdmission, ...]:
+        """Queued requests into free slots, in order, while the pool can hold each one's first segment. A resumed
+        (preempted) request's row prompt is its prompt and its tokens so far, and its budget what is left."""
         admitted = []
         while None in self.slots:
             with self._lock:
                 if not self._queue:
                     break
-                request = self._queue.popleft()
-            row = self.slots.index(None)
-            seed = request.seed if request.seed is not None else self.seeds()
-            prompt, stop_ids = tuple(request.prompt), tuple(request.stop_ids)
-            scored = request.logprobs or request.echo
-            budget, min_new = request.max_tokens, request.min_tokens
-            admitted.append(RowAdmission(row, prompt, budget, request.sampling, stop_ids, seed, scored, min_new))
+                request = self._queue[0]
+            row, have = self.slots.index(None), len(request.tokens)
+            prompt = (*request.prompt, *request.tokens)
+            # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
+            cached = self.tables.admit(row, prompt, self._reach(request), lookup=not request.echo)
+            if cached is None:
+                break
+            with self._lock:
+                self._queue.popleft()
+            if not have:
+                request.cached_tokens = cached
+            if request.seed is None:
+                request.seed = self.seeds()  # kept: a resumed request draws from the same seed
+            scored, stop_ids = request.logprobs or request.echo, tuple(request.stop_ids)
+            budget, min_new = request.max_tokens - have, max(request.min_tokens - have, 0)
+            row_init = (request.sampling, stop_ids, request.seed, scored, min_new, request.ignore_eos, cached)
+            admitted.append(RowAdmission(row, prompt, budget, *row_init))
             request.slot = row
-            self.slots[row] = Slot(request, 0)
+            self.slots[row] = Slot(request, cached, next(self._admissions))
         return tuple(admitted)
+
+    def _reach(self, request: Request) -> int:
+        """Positions a row must hold after its next segment: its cycles' commits past its end, up to its budget."""
+        J, ahead, cycles = self.draft.num_steps, self.draft.lookahead, self.config.segment_cycles
+        end = len(request.prompt) + len(request.tokens) + 1
+        budget_end = len(request.prompt) + request.max_tokens + ahead + 1
+        return min(end + (cycles - 1) * (J + 1) + ahead + 1, budget_end)
+
+    def _grow(self) -> tuple[int, ...]:
+        """Blocks for what every generating row reaches in the next segment, oldest row first; when the pool runs
+        out, the newest row is preempted (its request resumes later). Returns the preempted rows."""
+        preempted = []
+        by_age = sorted((s.order, i) for i, s in enumerate(self.slots) if s is not None)
+        for _, row in by_age:
+            slot = self.slots[row]
+            while slot is not None and not self.tables.grow(row, self._reach(slot.request)):
+                newest = max((s.order, i) for i, s in enumerate(self.slots) if s is not None)[1]
+                self._preempt(newest)
+                preempted.append(newest)
+                slot = self.slots[row]
+        return tuple(preempted)
+
+    def _preempt(self, row: int) -> None:
+        request = self.slots[row].request
+        self.slots[row], request.slot, self.preemptions = None, None, self.preemptions + 1
+        self.tables.release(row)
+        with self._lock:
+            self._queue.appendleft(request)
+        log.info("preempted row %d (%d tokens so far): the cache pool is full", row, len(request.tokens))
 
     def _prefill_chunk(self, row: int) -> PrefillChunk:
         slot, C = self.slots[row], self.config.prefill_chunk
-        start = slot.next_chunk
-        slot.next_chunk = None if len(slot.request.prompt) - 1 < start + C else start + C
+        start, prompt_len = slot.next_chunk, len(slot.request.prompt) + len(slot.request.tokens)
+        slot.next_chunk = None if prompt_len - 1 < start + C else start + C
+        self.tables.prefilled(row, start + C)
         return PrefillChunk(row, start)
 
     def _segment(self, rows: int, generating: int) -> Segment:
         """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, drafting the
-        policy's shape, with the static-greedy program while every occupied row is greedy (and the config allows
-        it), else the per-row one."""
+        policy's shape, static-greedy while every occupied row is greedy (and the config allows it), else per-row."""
         cfg = self.config
         b = next(b for b in cfg.buckets if b >= rows)
         draft = self.policy.choose(b, generating)
@@ -363,7 +385,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, new: list[int] | None = None) -> None:
         request.finish_reason, request.slot = reason, None
         self._finished.append(request)
-        _notify(request, new or [])
+        request.notify(new or [])
 
     def _take_finished(self) -> tuple[Request, ...]:
         finished, self._finished = tuple(self._finished), []
@@ -374,12 +396,3 @@ def _greedy_program_serves(request: Request) -> bool:
     """The static-greedy program can run this request's row: greedy, nothing to score and no stop ids to mask (it has
     no logits)."""
     return request.sampling.greedy and not (request.logprobs or request.echo or request.min_tokens)
-
-
-def _notify(request: Request, new: list[int]) -> None:
-    if request.on_update is None:
-        return
-    try:
-        request.on_update(request, new)
-    except Exception:  # a consumer that went away must not stop the engine (or the other requests)
-        log.exception("on_update of a request failed; ignoring")

@@ -54,7 +54,8 @@ def test_admission_eviction_and_batch_independent_greedy(engine, prompts, refere
     alone = Request(prompts[5], budgets[5], Sampling(0.9, top_k=40, top_p=0.95), seed=11)
     engine.submit(alone)
     engine.run_until_idle()
-    assert alone.tokens == sampled.tokens and len(alone.tokens) > 0
+    # alone reuses the cached blocks of sampled's prompt (and its key skips their chunks): the same draws
+    assert alone.tokens == sampled.tokens and len(alone.tokens) > 0 and alone.cached_tokens > 0
 
 
 def test_cancel_frees_the_slot_and_the_other_request_is_unaffected(engine, prompts, reference):
@@ -119,11 +120,13 @@ def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_
     """Every plan of a serving run (greedy and sampled requests, one without a seed, one cancelled mid-run), sent
     through its serialised form to a fresh executor, gives back the same results: tokens, done flags and counters.
     Counters count from the run's start (the fresh executor's start at 0). The plan is all an executor needs (what
-    the other processes of a multi-process server get)."""
+    the other processes of a multi-process server get) and the pool's blocks it reuses: the run starts with an empty
+    prefix cache, as the fresh executor's pool is."""
     from jaxspec.serving.executor import Executor
     from jaxspec.serving.plan import StepPlan
 
     log, run, before = [], engine.executor.run, engine.executor.counters()  # the module's earlier tests counted too
+    engine.scheduler.tables.pool.clear()
     engine.executor.run = lambda plan: log.append((plan.to_bytes(), run(plan))) or log[-1][1]
     try:
         requests = [
@@ -151,6 +154,7 @@ def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_
         max_context=c.max_context,
         prefill_chunk=c.prefill_chunk,
         stop_ids=engine.stop_ids,
+        pool=(c.pool_blocks, c.block),
     )
     replayed = [fresh.run(StepPlan.from_bytes(plan)) for plan, _ in log]
     assert [r.rows for r in replayed] == [r.rows for _, r in log]

@@ -22,7 +22,7 @@ def test_fp8_engine_greedy_equals_plain_with_the_same_cache(pair, prompts):
     target, drafter, tokenizer = pair
     fp8 = target.with_kv_cache_dtype("fp8")
     engine = Engine(fp8, drafter, CONFIG, stop_ids=tokenizer.stop_ids)
-    assert engine.executor.state.target_cache.dtype.name == "uint8"
+    assert engine.executor.pool.target.dtype.name == "uint8"
     requests = [Request(prompts[i], 10) for i in (0, 2, 4)]
     for r in requests:
         engine.submit(r)

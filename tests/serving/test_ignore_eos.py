@@ -44,3 +44,16 @@ def test_ignore_eos_generates_past_the_models_eos(eos_and_app, pair, prompts, re
     ended = client.post("/v1/completions", json=body).json()
     assert ended["usage"]["completion_tokens"] == ref.index(stop_id) + 1
     assert ended["choices"][0]["finish_reason"] == "stop"
+
+
+def test_ignore_eos_on_the_per_row_program(eos_and_app, pair, prompts, reference):
+    """The per-row program (logprobs ask for it) generates past the eos too; with min_tokens beyond the eos's place,
+    the eos is not masked out of an ignore_eos row (it does not stop that row), so the tokens stay plain greedy's."""
+    eos, client = eos_and_app
+    ref = reference(prompts[1], 24)
+    body = {"model": MODEL, "prompt": prompts[1], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    for extra in ({"logprobs": 1}, {"logprobs": 1, "min_tokens": ref.index(eos) + 2}):
+        out = client.post("/v1/completions", json={**body, **extra}).json()
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 24, extra
+        assert choice["text"] == pair[2].decode([t for t in ref if t != eos]), extra

@@ -20,6 +20,7 @@ from jaxspec.serving.plan import (
     Counters,
     PrefillChunk,
     RowAdmission,
+    RowBlocks,
     RowRead,
     RowResult,
     Segment,
@@ -45,6 +46,9 @@ class Shape:
     greedy_program: bool = True
     buckets: tuple[int, ...] = (1, 2, 4)
     contexts: tuple[int, ...] = (32, 64, 128)
+    block: int = 8
+    pool_blocks: int = 64  # every slot's full context: no preemption
+    prefix_cache: bool = True
 
 
 def token(seed: int, i: int) -> int:
@@ -74,12 +78,15 @@ class FakeRow:
     def emit(self) -> None:
         a = self.admission
         self.tokens.append(token(a.seed, self.generated()))
-        self.done = self.tokens[-1] in (EOS, *a.stop_ids) or self.generated() >= a.max_new
+        stops = a.stop_ids if a.ignore_eos else (EOS, *a.stop_ids)
+        self.done = self.tokens[-1] in stops or self.generated() >= a.max_new
 
 
 class FakeExecutor:
     """Runs plans as the device does (free, admit, prefill, segment, read), on host rows; each generating row gains
     1 to J+1 tokens per cycle. It checks what the device relies on: chunks in order, windows that cover the rows."""
+
+    Row = FakeRow
 
     def __init__(self, shape: Shape):
         self.shape, self.rows, self.plans = shape, [None] * shape.max_batch, []
@@ -90,10 +97,11 @@ class FakeExecutor:
         for row in plan.free:
             self.rows[row].done = True
         for a in plan.admit:
-            self.rows[a.row] = FakeRow(a, list(a.prompt))
+            self.rows[a.row] = self.Row(a, list(a.prompt), a.cached)
         for chunk in plan.prefill:
             row = self.rows[chunk.row]
             assert chunk.start == row.prefilled and row.done, "prefill chunks run in order, on a row not generating"
+            assert chunk.start >= row.admission.cached, "prefill starts past the cached prefix"
             row.prefilled = min(chunk.start + self.shape.prefill_chunk, len(row.admission.prompt))
             if row.prefilled == len(row.admission.prompt):
                 row.emit()  # the prefill's first token
@@ -342,6 +350,28 @@ def test_a_greedy_row_that_needs_logits_runs_the_per_row_program(asks):
         assert not plan.segment.greedy and not any(x.prompt for x in plan.read)
 
 
+def test_ignore_eos_is_the_rows_own_flag():
+    """ignore_eos goes to the device in the admission (the row generates past the model's eos, its own stop ids still
+    end it), and a row that ran to its budget finishes "length" even when its last token is the eos."""
+    seed = next(s for s in range(VOCAB) if EOS in [token(s, i) for i in range(4)])
+    plain, through = Request([1] * 3, 12, seed=seed), Request([1] * 3, 12, seed=seed, ignore_eos=True)
+    scheduler, executor = make(), FakeExecutor(Shape())
+    for r in (plain, through):
+        scheduler.submit(r)
+    plans = drain(scheduler, executor)
+    assert [a.ignore_eos for p in plans for a in p.admit] == [False, True]
+    assert plain.tokens == expected([1] * 3, 12, seed) and plain.finish_reason == "stop"
+    assert through.tokens == [token(seed, i) for i in range(12)] and through.finish_reason == "length"
+    assert EOS in through.tokens[:4]
+    ends = next(s for s in range(VOCAB) if token(s, 1) == EOS and EOS not in (token(s, 0),))
+    last = Request([1] * 3, 2, seed=ends, ignore_eos=True)
+    scheduler.submit(last)
+    drain(scheduler, executor)
+    assert last.tokens[-1] == EOS and last.finish_reason == "length"
+    with pytest.raises(ValueError, match="ignore_eos: expected a bool"):
+        scheduler.submit(Request([1] * 3, 2, ignore_eos=1))
+
+
 def test_seeds_are_drawn_by_the_scheduler_and_written_into_the_plan():
     drawn = iter([77, 78, 79])
     scheduler = make(seeds=lambda: next(drawn))
@@ -392,11 +422,12 @@ def test_plan_and_result_round_trip_through_bytes():
         free=(3, 1),
         admit=(
             RowAdmission(1, (5, 6, 7), 9, Sampling(0.1, top_k=40, top_p=0.95), (11, 12), 2**32 - 1),
-            RowAdmission(3, (8,), 4, logprobs=True, min_new=2),
+            RowAdmission(3, (8,) * 70, 4, logprobs=True, min_new=2, ignore_eos=True, cached=64),
         ),
         prefill=(PrefillChunk(1, 0), PrefillChunk(2, 64)),
         segment=Segment(4, 256, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
         read=(RowRead(0, 17), RowRead(2, 70, prompt=True)),
+        blocks=(RowBlocks(1, (4, 2, 9)), RowBlocks(3, ())),
     )
     again = StepPlan.from_bytes(plan.to_bytes())
     assert again == plan and again.admit[0].sampling.temperature == 0.1 and again.segment.draft.tree
@@ -430,6 +461,9 @@ def test_plan_values_refuse_bad_fields_by_name():
         (lambda: Segment(1, 16, 3, True, 1), "Segment.draft: expected a DraftShape"),
         (lambda: StepPlan(1, prefill=(PrefillChunk(0, 0), PrefillChunk(0, 8))), "StepPlan.prefill: expected each row"),
         (lambda: StepPlan(1, free=(2, 2)), "StepPlan.free: expected a tuple of distinct rows"),
+        (lambda: RowAdmission(0, (1, 2), 1, cached=2), "RowAdmission.cached: expected an integer in \\[0, 1\\]"),
+        (lambda: RowBlocks(0, (0, 1)), "RowBlocks.blocks: expected a tuple of block ids >= 1"),
+        (lambda: StepPlan(1, blocks=(RowBlocks(0, ()), RowBlocks(0, (1,)))), "StepPlan.blocks: expected each row"),
         (lambda: StepPlan(1, admit=[RowAdmission(0, (1,), 1)]), "StepPlan.admit: expected a tuple of RowAdmission"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -447,7 +481,10 @@ def test_scheduler_and_plan_import_no_jax():
 def test_the_import_contract_catches_jax_in_the_scheduler(tmp_path):
     """The forbidden contract is not vacuous: with the engine (which imports jax) among its sources, it breaks."""
     text = (ROOT / "pyproject.toml").read_text()
-    sources = 'source_modules = ["jaxspec.serving.scheduler", "jaxspec.serving.plan"]'
+    sources = (
+        'source_modules = ["jaxspec.serving.scheduler", "jaxspec.serving.plan", "jaxspec.serving.blocks", '
+        '"jaxspec.serving.request"]'
+    )
     assert sources in text, "the scheduler's contract in pyproject.toml changed: update this test"
     (tmp_path / "pyproject.toml").write_text(text.replace(sources, sources[:-1] + ', "jaxspec.serving.engine"]'))
     from tests.test_architecture import lint_imports

@@ -401,6 +401,27 @@ def test_logprobs_and_echo_in_openai_shapes(client, pair, prompts, reference):
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
 
+def test_chat_requests_sharing_a_system_prompt_reuse_its_cache(client, server):
+    """The second chat with the same long system prompt reuses its cached blocks (usage's cached_tokens, the
+    prefix-cache metrics) and answers as the first did; a different user turn reuses them too."""
+    base = server[1]
+    system = {"role": "system", "content": "You review Python code for a small team. " * 12}
+    chat = lambda user: client.chat.completions.create(
+        model=MODEL, messages=[system, {"role": "user", "content": user}], max_tokens=6, temperature=0
+    )
+    hits = metric(base, "jaxspec_prefix_cache_hits_total")
+    first, again, other = chat("import os"), chat("import os"), chat("def f(x):")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 32 == 0 and cached < again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert other.usage.prompt_tokens_details.cached_tokens >= 64
+    assert metric(base, "jaxspec_prefix_cache_hits_total") >= hits + 128
+    assert metric(base, "jaxspec_prefix_cache_queries_total") >= 3 * first.usage.prompt_tokens
+    assert metric(base, "jaxspec_kv_cache_blocks") == SLOTS * CONTEXT // 32
+    assert "jaxspec_kv_cache_usage_perc" in httpx.get(f"{base}/metrics").text
+
+
 def test_sigterm_drains_the_running_stream(server, pair, reference):
     """Last: SIGTERM while a stream runs; the stream still completes (every token of the greedy answer), then the
     server exits cleanly and stops taking connections."""

@@ -126,3 +126,17 @@ def test_fp8_cache_holds_1_7x_the_positions_at_batch_32_x_8k(tmp_path):
     assert bf16["fits"] is False and bf16["margin_bytes"] < 0 and "does NOT fit" in bf16["stdout"]
     assert bf16["required_source"].startswith("compiler error")
     assert fp8["kv_capacity_tokens"] >= 1.7 * bf16["kv_capacity_tokens"] > 0
+
+
+@pytest.mark.slow  # ~70 s of compile on this CPU (benchmarks/results/deepseek_v3_fp8.md)
+def test_deepseek_v3_fp8_decode_on_v5p16(tmp_path):
+    """Issue 29: DeepSeek-V3 with its FP8 weights kept FP8 fits a v5p-16 (bf16 weights alone would need 156 GiB per
+    device); 2 all-reduces per layer + the embedding."""
+    report = inspect_slice(
+        tmp_path, "dsv3", "--topology", "v5p-16", "--preset", "deepseek-v3", "--batch", "1", "--tokens", "1",
+        "--cache-len", "4096", timeout=600,
+    )  # fmt: skip
+    assert report["fits"] is True and report["margin_bytes"] > 10 * 2**30
+    assert report["per_device_param_bytes"] < 90 * 2**30  # one byte per FP8 value, not two
+    assert report["collectives"]["all-reduce"]["executed"] == 2 * 61 + 1
+    assert report["cache_token_bytes_per_device"] == 61 * 576 * 2
