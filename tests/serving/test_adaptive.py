@@ -13,8 +13,8 @@ from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving.adaptive import EXPLORE_SHARE, FIRST, DraftPolicy
 from jaxspec.serving.engine import Request
-from jaxspec.serving.executor import Executor
-from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, Segment, StepPlan
+from jaxspec.serving.executor import Executor, _gather
+from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
 from tests.serving.conftest import NUM_STEPS, warm_engine
 from tests.serving.test_engine import CONFIG as ENGINE_CONFIG
 
@@ -120,20 +120,36 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
     history = [int(t) for t in np.asarray(state.tokens_BS[row, : length + 1])]  # + the pending token
     target, drafter, _ = pair
     c = CONFIG  # the engine's shape: the fresh executor reuses its compiled prefill
+    blocks = c.max_context // c.block  # the fresh row holds a whole row of blocks
     fresh = Executor(
-        target, drafter, CHAIN, max_batch=2, max_context=c.max_context, prefill_chunk=16, stop_ids=engine.stop_ids
+        target,
+        drafter,
+        CHAIN,
+        max_batch=2,
+        max_context=c.max_context,
+        prefill_chunk=16,
+        stop_ids=engine.stop_ids,
+        pool=(blocks, c.block),
     )
     chunks = tuple(PrefillChunk(0, start) for start in range(0, len(history), 16))
     for i, chunk in enumerate(chunks):
         admit = (RowAdmission(0, tuple(history), 2, Sampling(0.9), seed=8),) if i == 0 else ()
-        fresh.run(StepPlan(i + 1, admit=admit, prefill=(chunk,)))
-    for ours, theirs in zip(jax.tree.leaves(state.draft_cache), jax.tree.leaves(fresh.state.draft_cache), strict=True):
+        table = (RowBlocks(0, tuple(range(1, blocks + 1))),) if i == 0 else ()
+        fresh.run(StepPlan(i + 1, admit=admit, prefill=(chunk,), blocks=table))
+    ours, theirs = (row_draft_cache(e, r) for e, r in ((engine.executor, row), (fresh, 0)))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(
-            np.asarray(ours[row, :length], np.float32), np.asarray(theirs[0, :length], np.float32), atol=2e-4, rtol=2e-3
+            np.asarray(a[:length], np.float32), np.asarray(b[:length], np.float32), atol=2e-4, rtol=2e-3
         )
     engine.scheduler.policy = Scripted((CHAIN,))
     engine.run_until_idle()
     assert request.finish_reason in ("stop", "length")
+
+
+def row_draft_cache(executor: Executor, row: int):
+    """Row `row`'s drafter cache, read from the executor's pool through its block table."""
+    window = _gather(executor.state, executor.pool, executor._tables, np.int32(row), 1, None)
+    return jax.tree.map(lambda x: x[0], window.draft_cache)
 
 
 # ---------------------------------------------------------------------- the policy alone (plain Python)
