@@ -53,11 +53,18 @@ def test_generate_text_prompt_needs_a_tokenizer():
         main(["generate", "--preset", "tiny", "--prompt", "hello"])
 
 
-def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path, capsys):
+def _resolved(argv: list[str]) -> DraftShape:
+    """The draft shape `jaxspec generate argv` runs, resolved as main() resolves it (before anything loads)."""
+    args = build_parser().parse_args(argv)
+    generate_cli.check(args)
+    return args.draft
+
+
+def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path):
+    # What generate then runs with a chain or a tree: test_generate_tree_with_ids_and_stats and the bundled pair's run.
     (tmp_path / "tune.json").write_text(json.dumps({"recommended_k": 2}))
     argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--max-new-tokens", "4", "--stats"]
-    assert main([*argv, "--num-steps", "auto", "--tune", str(tmp_path)]) == 0
-    assert "num_steps 2" in capsys.readouterr().out
+    assert _resolved([*argv, "--num-steps", "auto", "--tune", str(tmp_path)]) == DraftShape(2)
     with pytest.raises(SystemExit, match="needs --tune DIR"):
         main([*argv, "--num-steps", "auto", "--tune", str(tmp_path / "missing")])
     bad = {"num_steps": 2, "topk": 1, "num_draft_tokens": 9}  # a chain of 2 verifies 3 tokens
@@ -66,17 +73,13 @@ def test_generate_num_steps_auto_reads_the_tuning_result(tmp_path, capsys):
         main([*argv, "--num-steps", "auto", "--tune", str(tmp_path)])
 
 
-def test_generate_num_steps_auto_takes_a_recommended_tree(tmp_path, capsys):
+def test_generate_num_steps_auto_takes_a_recommended_tree(tmp_path):
     tree = {"num_steps": 2, "topk": 2, "num_draft_tokens": 4, "label": "2x2/4"}
     (tmp_path / "tune.json").write_text(json.dumps({"recommended": tree, "recommended_k": 1}))
     argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--max-new-tokens", "4", "--stats"]
-    assert main([*argv, "--num-steps", "auto", "--tune", str(tmp_path)]) == 0
-    assert "num_steps 2, topk 2, 4 draft tokens" in capsys.readouterr().out
-    # An explicit --topk wins over the tuning result's tree (the depth still comes from it): the shape the command
-    # would run, resolved as main() resolves it (running that 13-node tree only compiles another program).
-    args = build_parser().parse_args([*argv, "--num-steps", "auto", "--tune", str(tmp_path), "--topk", "3"])
-    generate_cli.check(args)
-    assert args.draft == DraftShape(2, topk=3, num_draft_tokens=13)
+    assert _resolved([*argv, "--num-steps", "auto", "--tune", str(tmp_path)]) == DraftShape(2, 2, 4)
+    # An explicit --topk wins over the tuning result's tree (the depth still comes from it).
+    assert _resolved([*argv, "--num-steps", "auto", "--tune", str(tmp_path), "--topk", "3"]) == DraftShape(2, 3, 13)
 
 
 def test_serve_tree_flags_reach_the_engine_config_and_are_checked_before_loading():

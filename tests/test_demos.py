@@ -69,6 +69,7 @@ def _dry_run(*flags: str, timeout: int) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # ~45 s (convert, tune, generate on 8 simulated devices); the abstract dry run stays in the suite
 @pytest.mark.timeout(600)
 def test_multi_gpu_dry_run_on_the_bundled_pair(tmp_path):
     flags = ("--max-k", "1", "--trees", "2:2:4", "--max-new-tokens", "40", "--dst", str(tmp_path / "converted"))
