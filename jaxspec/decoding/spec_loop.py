@@ -96,11 +96,16 @@ class SpecLoop:
         chunk_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, start, chunk, axis=1)
         out, tcache, captured = self._target_step(tparams, chunk_BT, pos_BT, s.target_cache, cfg)
         # The first generated token comes from the last prompt position, if it falls in this chunk.
-        key, k1, k2 = _split(s.key, PREFILL_KEYS)
+        key, (k1, k2) = _draws(s.key, 2, FIRST, prompt_len_B)
+        if key.ndim:  # the first draft, keyed as a cycle or a catch-up ending at the prompt's end keys its draft
+            _, (k2,) = _draws(key, 1, EXTEND, prompt_len_B)
         in_chunk_B = (last_B >= start) & (last_B < start + chunk)
         row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
         first_B = _choose_target(k1, mask_stops(cfg, s, out_B[:, None], jnp.zeros((B, 1), jnp.int32))[:, 0], sampling)
+        if s.first_given_B is not None:  # a resumed row's first token is the one it had (at its prompt's end)
+            given_B = jnp.take_along_axis(tokens_BS, prompt_len_B[:, None], axis=1)[:, 0]
+            first_B = jnp.where(s.first_given_B, given_B, first_B)
         at_first_BS = in_chunk_B[:, None] & (jnp.arange(S) == prompt_len_B[:, None])
         s = s.replace(tokens_BS=jnp.where(at_first_BS, first_B[:, None], tokens_BS), target_cache=tcache, key=key)
         # Position p scores (and the drafter pairs the target state of p with) token p+1: the first token for the last.
@@ -152,7 +157,7 @@ class SpecLoop:
             pos_BT = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
             tokens_BT = jnp.take_along_axis(s.tokens_BS, jnp.minimum(pos_BT + 1, S - 1), axis=1)
             aux_BTI = jnp.take_along_axis(s.aux_BSI, jnp.minimum(pos_BT, S - 1)[:, :, None], axis=1)
-            key, extend_key = _split(s.key, 2)
+            key, (extend_key,) = _draws(s.key, 1, EXTEND, s.length_B)
             last_B = jnp.clip(s.length_B - 1 - start_B, 0, W - 1)
             d_B, q_BV, h2_BD, dcache = draft_extend(
                 self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, s.draft_cache, last_B, extend_key, sampling
@@ -164,7 +169,7 @@ class SpecLoop:
                 draft_q_BV=jnp.where(done_B[:, None], q_BV, s.draft_q_BV),
                 hidden_BD=jnp.where(done_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
                 drafted_B=jnp.where(go_B, jnp.minimum(start_B + W, s.length_B), s.drafted_B),
-                key=jnp.where(go_B, key, s.key) if key.ndim else key,
+                key=key,
             )
 
         return jax.lax.while_loop(lambda s: jnp.any(behind(s)), step, s)
@@ -181,7 +186,7 @@ class SpecLoop:
         J, sampling = cfg.num_steps, _sampling(cfg, s)
         B = s.tokens_BS.shape[0]
         n_B = s.length_B
-        key, draft_key, accept_key, extend_key = _split(s.key, 4)
+        key, (draft_key, accept_key, extend_key) = _draws(s.key, 3, CYCLE, n_B)
         pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
 
         # 1. draft J tokens (the first came from the last draft-extend)
@@ -210,6 +215,8 @@ class SpecLoop:
             lazy = dict(aux_BSI=self._keep_aux(s.aux_BSI, captured, n_B))
         elif J:
             aux_BTI = concat_captured(captured)
+            if key.ndim:  # a row's next first draft is keyed as a prefill or a catch-up ending there keys it
+                _, (extend_key,) = _draws(key, 1, EXTEND, committed.length_B)
             new_draft_B, new_q_BV, h2_BD, dcache = draft_extend(
                 self.drafter, dparams, emitted_BT, aux_BTI, pos_BT, dcache, accepted_B, extend_key, sampling
             )
@@ -219,8 +226,6 @@ class SpecLoop:
             if s.drafted_B is not None:  # the drafter is current again
                 lazy = dict(drafted_B=jnp.where(active_B, committed.length_B, s.drafted_B))
 
-        if key.ndim:  # per-row keys advance only on the row's own cycles: its draws never depend on the batch
-            key = jnp.where(active_B, key, s.key)
         # 6. statistics over the sequences that were active this cycle
         return committed.replace(
             target_cache=tcache,
@@ -238,7 +243,7 @@ class SpecLoop:
         compact it in the target cache, draft-extend over it."""
         J, sampling, mesh = cfg.num_steps, _sampling(cfg, s), self.target.mesh
         n_B = s.length_B
-        key, accept_key = _split(s.key, 2)
+        key, (accept_key,) = _draws(s.key, 1, CYCLE, n_B)
         pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
 
         # 1. draft the tree (deterministic top-k expansion: acceptance needs nothing of the draft distribution)
@@ -277,8 +282,6 @@ class SpecLoop:
         root_BU, h2_BD, dcache = extend_logits(
             self.drafter, dparams, emitted_BT, concat_captured(path_XBTD), pos_BT, s.draft_cache, accepted_B
         )
-        if key.ndim:
-            key = jnp.where(active_B, key, s.key)
         return committed.replace(
             target_cache=tcache,
             draft_cache=dcache,
@@ -501,13 +504,21 @@ def _sampling(cfg: LoopConfig, s: LoopState) -> Sampling | RowSampling:
     return cfg.sampling if cfg.sampling is not None else s.row_sampling
 
 
-PREFILL_KEYS = 3  # keys a prefill chunk splits from each row's key (the row keeps the first)
+# What a per-row draw is for (`_draws`): each purpose folds its own keys from the row's key.
+FIRST, CYCLE, EXTEND = 0, 1, 2
 
 
-def key_after_prefill(key: jax.Array, chunks) -> jax.Array:
-    """One row's key after `chunks` prefill chunks: what a row that reuses a cached prefix starts from, so its draws
-    are those of the row that prefilled every chunk (traceable; `chunks` may be traced)."""
-    return jax.lax.fori_loop(0, chunks, lambda _, k: jax.random.split(k, PREFILL_KEYS)[0], key)
+def _draws(key: jax.Array, n: int, purpose: int, at_B: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """(the key to carry, n keys for the draws). One key (static sampling): split, the first carried on. Per-row keys
+    [B] (the serving engine's): row b's keys are folded from its own key, `purpose` and the position `at_B[b]` the
+    draws are for, and its key is carried unchanged. So a row's draws depend on its seed and the positions alone, not
+    on how its prefill chunks, cycles, segments, draft shapes or a preemption fell: a row resumed by recomputing its
+    tokens, or one that reused a cached prefix, draws what it would have drawn."""
+    if key.ndim == 0:
+        first, *keys = jax.random.split(key, n + 1)
+        return first, keys
+    fold = lambda k, at: jax.random.split(jax.random.fold_in(jax.random.fold_in(k, purpose), at), n)
+    return key, list(jnp.swapaxes(jax.vmap(fold)(key, at_B), 0, 1))
 
 
 def _split(key: jax.Array, n: int) -> jax.Array:

@@ -108,6 +108,9 @@ class LoopState:
     # Per-row states: rows that generate past the model's stop ids (the config's; ignore_eos as vLLM applies it). Their
     # own stop ids still stop them.
     ignore_eos_B: jax.Array | None = struct.field(default=None, **_axes(0))  # bool
+    # Per-row states: rows whose first token is given (at prompt_len_B in tokens_BS: a preempted request resumed by
+    # recomputing its tokens but the last) instead of drawn by the prefill (bool).
+    first_given_B: jax.Array | None = struct.field(default=None, **_axes(0))
     logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
     # Lazy drafter (a state built with `lazy_drafter`, for plain and chain programs on one state): the captured target
     # states at each position [B, S, X*D] that plain cycles keep, and how far the drafter has run (int32 [B]: its cache,
@@ -194,6 +197,7 @@ class LoopState:
                 fields["stop_ids"] = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
                 fields["min_new_B"] = z()
                 fields["ignore_eos_B"] = jnp.zeros((B,), bool)
+                fields["first_given_B"] = jnp.zeros((B,), bool)
             if lp:
                 N = MAX_TOP_LOGPROBS
                 fields["wants_logprobs_B"] = jnp.zeros((B,), bool)
@@ -236,6 +240,7 @@ class LoopState:
             stop_ids=set_(self.stop_ids, init.stop_ids),
             min_new_B=set_(self.min_new_B, init.min_new),
             ignore_eos_B=set_(self.ignore_eos_B, init.ignore_eos),
+            first_given_B=set_(self.first_given_B, init.first >= 0),
             wants_logprobs_B=None if self.wants_logprobs_B is None else set_(self.wants_logprobs_B, init.logprobs),
         )
 
@@ -304,6 +309,7 @@ class RowInit:
     logprobs: Any = False  # bool: the row wants logprobs (written only into a state built with them)
     min_new: Any = 0  # int32: tokens generated before a stop id may be
     ignore_eos: Any = False  # bool: the config's stop ids do not stop the row
+    first: Any = -1  # int32: the row's first token, given (a resumed request's last token); -1: the prefill draws it
 
     @classmethod
     def of(
@@ -317,17 +323,22 @@ class RowInit:
         logprobs: bool = False,
         min_new: int = 0,
         ignore_eos: bool = False,
+        first: int | None = None,
     ) -> RowInit:
-        """A request's row for a state of `context` positions (validated by the caller: it fits)."""
+        """A request's row for a state of `context` positions (validated by the caller: it fits); `first`: its first
+        token, given rather than drawn."""
         tokens = np.zeros((context,), np.int32)
         tokens[: len(prompt)] = prompt
+        if first is not None:
+            tokens[len(prompt)] = first
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(stop_ids)] = stop_ids
         row_sampling = RowSampling(
             np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
         )
         row = (np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
-        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new), np.bool_(ignore_eos))
+        given = np.int32(-1 if first is None else first)
+        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new), np.bool_(ignore_eos), given)
 
 
 @jax.jit

@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.spec_loop import key_after_prefill
 from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, RowResult, Segment, StepPlan, StepResult
 from sharding.multihost import put_global, to_host
@@ -115,10 +114,8 @@ class Executor:
             self._tables = put_global(self.tables.copy(), self.state.tokens_BS.sharding)
         for a in plan.admit:
             row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
-            init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos)
+            init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos, a.first)
             self.state = _admit(self.state, np.int32(a.row), init)
-            if a.cached:  # its prefill starts past the cached prefix: its key as if the chunks before had run
-                self.state = _skip_prefill(self.state, np.int32(a.row), np.int32(a.cached // self.prefill_chunk))
         for chunk in plan.prefill:
             row = np.int32(chunk.row)
             part = _gather(self.state, self.pool, self._tables, row, 1, None)
@@ -190,11 +187,6 @@ def _row_logprobs(logprobs: Logprobs, row) -> Logprobs:
 
 _admit = jax.jit(LoopState.admit, donate_argnums=0)
 _free = jax.jit(LoopState.free, donate_argnums=0)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _skip_prefill(state: LoopState, row, chunks) -> LoopState:
-    return state.replace(key=state.key.at[row].set(key_after_prefill(state.key[row], chunks)))
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))

@@ -57,6 +57,7 @@ class RowAdmission:
     min_new: int = 0  # stop ids are masked until the row has this many new tokens (per-row program)
     ignore_eos: bool = False  # the model's stop ids do not stop the row (its own stop ids still do)
     cached: int = 0  # prompt positions reused from the prefix cache (a multiple of the prefill chunk), not prefilled
+    first: int | None = None  # a resumed (preempted) request: its last token, the row's first instead of a draw
 
     def __post_init__(self):
         _int("RowAdmission", "row", self.row, 0)
@@ -70,6 +71,8 @@ class RowAdmission:
         _int("RowAdmission", "seed", self.seed, 0, 2**32 - 1)
         _int("RowAdmission", "min_new", self.min_new, 0, self.max_new)
         _int("RowAdmission", "cached", self.cached, 0, len(self.prompt) - 1)
+        if self.first is not None:
+            _ids("RowAdmission", "first", (self.first,))
         for name in ("logprobs", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RowAdmission.{name}: expected a bool, got {getattr(self, name)!r}")
@@ -84,7 +87,7 @@ class RowAdmission:
         sampling = Sampling(**d["sampling"])
         prompt, stop_ids = tuple(d["prompt"]), tuple(d["stop_ids"])
         extra = d.get("logprobs", False), d.get("min_new", 0), d.get("ignore_eos", False), d.get("cached", 0)
-        return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], *extra)
+        return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], *extra, d.get("first"))
 
 
 @dataclasses.dataclass(frozen=True)

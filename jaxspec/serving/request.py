@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from jaxspec.decoding.sampling_params import Sampling
-from jaxspec.serving.plan import TokenLogprob
+from jaxspec.serving.plan import MAX_STOP_IDS, TokenLogprob
 
 log = logging.getLogger("jaxspec.serving")
 
@@ -47,6 +47,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def validate(self, vocab: int) -> None:
+        """Raise ValueError naming the first field that a model of `vocab` token ids cannot serve."""
+        if not self.prompt or min(self.prompt) < 0 or max(self.prompt) >= vocab:
+            raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
+        if len(self.stop_ids) > MAX_STOP_IDS or any(not 0 <= t < vocab for t in self.stop_ids):
+            raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+            raise ValueError(f"seed: expected an integer in [0, 2**32), got {seed!r}")
 
     def notify(self, new: list[int]) -> None:
         """`on_update(self, new)`, if set."""

@@ -18,7 +18,8 @@ Cache memory is a pool of fixed-size blocks (blocks.py): a request is admitted w
 prefix plus fresh blocks for what it reaches in its first segment, and each step first grows every row's blocks to
 what it can reach in the next segment (deepest draft), oldest row first. When the pool runs out, the newest row is
 preempted: its blocks go back and its request waits at the head of the queue, resumed by prefilling its prompt and
-the tokens it has (recompute; its client sees one continuous answer). Each change of a row's blocks goes into the
+its tokens but the last, which the row is given as its first (recompute; a row's draws are keyed by position, so it
+goes on as it would have: the same tokens for greedy and seeded sampling). Each change of a row's blocks goes into the
 plan. The segment's draft shape is the `DraftPolicy`'s (adaptive.py): the candidate it predicts fastest for the rows
 generating now, from the segment times and counters `update` hands it.
 """
@@ -39,7 +40,6 @@ from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.serving.adaptive import DraftPolicy
 from jaxspec.serving.blocks import BlockPool, BlockTables
 from jaxspec.serving.plan import (
-    MAX_STOP_IDS,
     PrefillChunk,
     RowAdmission,
     RowBlocks,
@@ -91,6 +91,7 @@ class Slot:
     request: Request
     next_chunk: int | None  # start of the next prefill chunk; None once prefill is done (the row is generating)
     order: int = 0  # admission order: the newest row is preempted first
+    prompt_len: int = 0  # the row's prompt: the request's, and a resumed one's tokens but the last
 
 
 class Scheduler:
@@ -147,20 +148,7 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queue a request (validated: prompt ids in the vocabulary, fits the context). Raises QueueFull."""
-        vocab = self.vocab_size
-        if not request.prompt or min(request.prompt) < 0 or max(request.prompt) >= vocab:
-            raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected an integer >= 1, got {request.max_tokens!r}")
-        if len(request.stop_ids) > MAX_STOP_IDS or any(not 0 <= t < vocab for t in request.stop_ids):
-            raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
-        if not isinstance(request.min_tokens, int) or not 0 <= request.min_tokens <= request.max_tokens:
-            raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {request.min_tokens!r}")
-        if not isinstance(request.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: expected a bool, got {request.ignore_eos!r}")
-        seed = request.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
-            raise ValueError(f"seed: expected an integer in [0, 2**32), got {request.seed!r}")
+        request.validate(self.vocab_size)
         problem = self.check(len(request.prompt), request.max_tokens)
         if problem:
             raise ValueError(problem)
@@ -291,31 +279,32 @@ class Scheduler:
 
     def _admit_queued(self) -> tuple[RowAdmission, ...]:
         """Queued requests into free slots, in order, while the pool can hold each one's first segment. A resumed
-        (preempted) request's row prompt is its prompt and its tokens so far, and its budget what is left."""
+        (preempted) request's row prompt is its prompt and its tokens but the last (the row's first token)."""
         admitted = []
         while None in self.slots:
             with self._lock:
                 if not self._queue:
                     break
                 request = self._queue[0]
-            row, have = self.slots.index(None), len(request.tokens)
-            prompt = (*request.prompt, *request.tokens)
+            row, given = self.slots.index(None), request.tokens[-1:]
+            have = len(request.tokens) - len(given)
+            prompt = (*request.prompt, *request.tokens[:have])
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
             cached = self.tables.admit(row, prompt, self._reach(request), lookup=not request.echo)
             if cached is None:
                 break
             with self._lock:
                 self._queue.popleft()
-            if not have:
+            if not given:
                 request.cached_tokens = cached
             if request.seed is None:
                 request.seed = self.seeds()  # kept: a resumed request draws from the same seed
             scored, stop_ids = request.logprobs or request.echo, tuple(request.stop_ids)
             budget, min_new = request.max_tokens - have, max(request.min_tokens - have, 0)
             row_init = (request.sampling, stop_ids, request.seed, scored, min_new, request.ignore_eos, cached)
-            admitted.append(RowAdmission(row, prompt, budget, *row_init))
+            admitted.append(RowAdmission(row, prompt, budget, *row_init, first=given[0] if given else None))
             request.slot = row
-            self.slots[row] = Slot(request, cached, next(self._admissions))
+            self.slots[row] = Slot(request, cached, next(self._admissions), len(prompt))
         return tuple(admitted)
 
     def _reach(self, request: Request) -> int:
@@ -349,8 +338,8 @@ class Scheduler:
 
     def _prefill_chunk(self, row: int) -> PrefillChunk:
         slot, C = self.slots[row], self.config.prefill_chunk
-        start, prompt_len = slot.next_chunk, len(slot.request.prompt) + len(slot.request.tokens)
-        slot.next_chunk = None if prompt_len - 1 < start + C else start + C
+        start = slot.next_chunk
+        slot.next_chunk = None if slot.prompt_len - 1 < start + C else start + C
         self.tables.prefilled(row, start + C)
         return PrefillChunk(row, start)
 
@@ -376,7 +365,7 @@ class Scheduler:
             r = slot.request
             budget_end = len(r.prompt) + r.max_tokens + ahead + 1
             if slot.next_chunk is not None:
-                need = max(need, len(r.prompt) + ahead + 1)
+                need = max(need, slot.prompt_len + ahead + 1)
             else:  # +1: a row prefilled in this step has its first token, not yet read
                 end = len(r.prompt) + len(r.tokens) + 1
                 need = max(need, min(end + (cycles - 1) * (J + 1) + ahead + 1, budget_end))

@@ -1,7 +1,7 @@
 """The cache pool on the bundled pair: a prefix hit (a shared system prompt, a prompt that is a prefix of another,
 one ending inside a block and one on its edge) gives the same greedy and seeded sampled tokens as the cold run, and
-requests that together need more positions than the pool all complete with their single-request tokens, preempted
-and resumed by recompute."""
+requests that together need more positions than the pool all complete with their single-request tokens (greedy and
+seeded sampled), preempted and resumed by recompute."""
 
 import dataclasses
 
@@ -74,15 +74,33 @@ def test_prefix_hits_give_the_cold_greedy_and_sampled_tokens(engine, prompts, re
         assert r.tokens == reference(r.prompt, 12)
 
 
-def test_requests_needing_more_than_the_pool_complete_with_their_single_request_tokens(engine, prompts, reference):
-    """Two long rows need 11 blocks of the 10: the newer is preempted, and resumed with its prompt and the tokens it
-    had; each request's tokens are its single-request greedy tokens."""
-    before = engine.scheduler.preemptions
+def test_requests_needing_more_than_the_pool_complete_with_their_single_request_tokens(
+    engine, prompts, reference, monkeypatch
+):
+    """Two long rows need 11 blocks of the 10: the newer (sampled, seeded) is preempted, and resumed by recomputing
+    its prompt and tokens; each request's tokens are those it gets alone (greedy: the single-request reference)."""
     text = sum(prompts, [])
-    requests = [Request(text[:60], 24), Request(text[60:103], 24), Request(text[103:130], 20)]
     assert len(text) >= 130
-    serve(engine, requests, cache=True)
-    assert engine.scheduler.preemptions > before
-    for r in requests:
-        assert r.tokens == reference(r.prompt, r.max_tokens), r.prompt
+    sampling = Sampling(1.0)
+
+    def batch():
+        return [
+            Request(text[:60], 24),
+            Request(text[60:103], 24, sampling, seed=5),
+            Request(text[103:130], 20, sampling, seed=9),
+        ]
+
+    before = engine.scheduler.preemptions
+    alone = [serve(engine, [r], cache=False)[0] for r in batch()]
+    assert engine.scheduler.preemptions == before
+    preempted, preempt = [], engine.scheduler._preempt
+    monkeypatch.setattr(
+        engine.scheduler,
+        "_preempt",
+        lambda row: (preempted.append(engine.scheduler.slots[row].request.tokens[:]), preempt(row)),
+    )
+    together = serve(engine, batch(), cache=True)
+    assert preempted and all(preempted)  # preempted while generating
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert together[0].tokens == reference(together[0].prompt, 24)
     assert engine.scheduler.tables.pool.used == 0
