@@ -143,9 +143,9 @@ class Executor:
         elif self._q_stale:
             self.state = _fix_greedy_q(self.state)
             self._q_stale = False
-        part = _gather(self.state, self.pool, self._tables, np.int32(0), segment.rows, segment.positions)
-        part = self.loop.run(program, *self._params(), part, jnp.int32(segment.cycles))
-        self.state, self.pool = _scatter(self.state, self.pool, self._tables, part, np.int32(0))
+        window = (segment.rows, segment.positions, not segment.draft.plain)
+        args = (self.state, self.pool, self._tables, *self._params(), jnp.int32(segment.cycles))
+        self.state, self.pool = _segment(self.loop, program, window, *args)
 
     def counters(self) -> Counters:
         """The loop's running totals (cycles, per-depth reached / accepted, the accepted-length histogram)."""
@@ -189,10 +189,10 @@ _admit = jax.jit(LoopState.admit, donate_argnums=0)
 _free = jax.jit(LoopState.free, donate_argnums=0)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _gather(state: LoopState, pool: CachePool, tables, start, rows: int, positions: int | None) -> LoopState:
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _gather(state, pool: CachePool, tables, start, rows: int, positions: int | None, drafter=True) -> LoopState:
     """The window of rows [start, start + rows) and positions [0, positions) (all: None), its caches read from the
-    pool through the rows' block tables."""
+    pool through the rows' block tables (the drafter's only with `drafter`; else None)."""
     window = state.window(rows, positions, start)
     block = pool.target.shape[2]
     blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
@@ -204,14 +204,15 @@ def _gather(state: LoopState, pool: CachePool, tables, start, rows: int, positio
         x = cache.at[(slice(None),) * axis + (blocks_RK,)].get(out_sharding=out)
         return x.reshape(x.shape[:axis] + (R, K * block) + x.shape[axis + 3 :])
 
-    drafter = jax.tree.map(lambda c: read(c, 0), pool.drafter)
-    return window.replace(target_cache=read(pool.target, 1), draft_cache=drafter)
+    drafts = jax.tree.map(lambda c: read(c, 0), pool.drafter) if drafter else None
+    return window.replace(target_cache=read(pool.target, 1), draft_cache=drafts)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) -> tuple[LoopState, CachePool]:
     """Put `part`, a `_gather`ed window from row `start`, back: its rows into the state, its caches into the pool
-    through the rows' block tables (positions a row owns no block for go to the null block)."""
+    through the rows' block tables (positions a row owns no block for go to the null block; a window without the
+    drafter's cache leaves the pool's as it is)."""
     block = pool.target.shape[2]
     R, P = part.tokens_BS.shape
     blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, R)[:, : P // block]
@@ -223,9 +224,24 @@ def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) 
         return cache.at[(slice(None),) * axis + (blocks_RK,)].set(x, out_sharding=jax.typeof(cache).sharding)
 
     target = write(pool.target, part.target_cache, 1)
-    drafter = jax.tree.map(lambda c, w: write(c, w, 0), pool.drafter, part.draft_cache)
+    drafter = pool.drafter
+    if part.draft_cache is not None:
+        drafter = jax.tree.map(lambda c, w: write(c, w, 0), pool.drafter, part.draft_cache)
     state = state.put(part.replace(target_cache=None, draft_cache=None), start)
     return state, CachePool(target, drafter)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _segment(
+    loop, program: LoopConfig, window: tuple, state: LoopState, pool: CachePool, tables, tparams, dparams, cycles
+):
+    """One segment as one program: gather the window (rows, positions, with the drafter's cache or not: a plain
+    segment leaves it as it is), run `cycles` cycles of `program` on it, scatter it back (nothing of the state or the
+    pool is copied out and in between programs)."""
+    rows, positions, drafter = window
+    part = _gather(state, pool, tables, np.int32(0), rows, positions, drafter)
+    part = loop.run(program, tparams, dparams, part, cycles)
+    return _scatter(state, pool, tables, part, np.int32(0))
 
 
 def _spec(x: jax.Array) -> tuple:
