@@ -75,20 +75,22 @@ class DraftPolicy:
         self.predicted = self.predict(shape, rows, generating)
         return shape
 
-    def observe(self, segment: Segment, counters: Counters, seconds: float) -> None:
-        """What a segment of the last plan took: its wall `seconds` and the loop's counters after it."""
+    def observe(self, segment: Segment, counters: Counters, seconds: float | None) -> None:
+        """What a segment of the last plan took: its wall `seconds` (None: it ran prefill chunks too, so its time is
+        not its cycles') and the loop's counters after it."""
         last = self._last if self._last is not None and self._last.cycles <= counters.cycles else None
         delta = counters.minus(last) if last is not None else counters
         self._last = counters
         if delta.cycles <= 0:
             return
-        key = (segment.draft, segment.rows)
-        recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
-        recent.append(seconds / delta.cycles)
-        self.cycle_seconds[key] = float(np.median(recent))
-        for shape in self.shapes:
-            idle = (shape, segment.rows)
-            self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
+        if seconds is not None:
+            key = (segment.draft, segment.rows)
+            recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
+            recent.append(seconds / delta.cycles)
+            self.cycle_seconds[key] = float(np.median(recent))
+            for shape in self.shapes:
+                idle = (shape, segment.rows)
+                self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
         reached = np.asarray(delta.reached[: self.depth], np.float64)
         if reached.any():
             self.reached = DECAY * self.reached + reached

@@ -335,8 +335,8 @@ class Engine:
         if self.metrics is not None and self._counters is not None:
             delta = counters.minus(self._counters)
             self.metrics.observe_cycles(delta.cycles, delta.reached, delta.accepted, delta.accept_hist)
-            if segment is not None and seconds and delta.cycles:
-                measured = measured_tokens_per_second(delta, seconds)
+            if segment is not None and delta.cycles:
+                measured = measured_tokens_per_second(delta, seconds) if seconds else None
                 self.metrics.observe_segment(segment.draft.label, self.scheduler.policy.predicted, measured)
         self._counters = counters
 

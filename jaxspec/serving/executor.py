@@ -3,12 +3,14 @@
 It owns the device side of serving: the loop state of every slot (`LoopState`, B rows x S positions, without its
 caches), the cache pool (`CachePool`: the target's latent cache and the drafter's KV in blocks of positions; block 0
 is the null block) with each row's block table, and the compiled programs that change them (admit, free, one prefill
-chunk of one row, a segment over a window of rows and positions). A prefill chunk or a segment gathers its rows'
-blocks into the dense window of the state the compiled loop runs on, and scatters the window's caches back through
-the same tables (a cached prefix block shared by rows gets back the values it had: nothing below a row's prompt end
-is written). It decides nothing: which rows, chunks, buckets and program run is the plan's, so every process of a
-multi-process server runs the same programs in the same order from the same plans. The plan's parts run in the order
-plan.py gives (free, blocks, admit, prefill, segment, read).
+chunk of one row, a segment over a window of rows and positions). A segment's program runs the step's prefill chunks
+first, then its cycles (a mixed step: a step with a generating row runs no prefill program of its own; a chunk runs
+alone only when no row is generating). A prefill chunk or a segment gathers its rows' blocks into the dense window
+of the state the compiled loop runs on, and scatters the window's caches back through the same tables (a cached
+prefix block shared by rows gets back the values it had: nothing below a row's prompt end is written). It decides
+nothing: which rows, chunks, buckets and program run is the plan's, so every process of a multi-process server runs
+the same programs in the same order from the same plans. The plan's parts run in the order plan.py gives (free,
+blocks, admit, prefill, segment, read).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, RowInit
-from jaxspec.serving.plan import Counters, RowResult, Segment, StepPlan, StepResult
+from jaxspec.serving.plan import Counters, PrefillChunk, RowResult, Segment, StepPlan, StepResult
 from sharding.multihost import put_global, to_host
 
 
@@ -116,7 +118,7 @@ class Executor:
             row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
             init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos, a.first)
             self.state = _admit(self.state, np.int32(a.row), init)
-        for chunk in plan.prefill:
+        for chunk in plan.prefill if plan.segment is None else ():  # alone: no row is generating
             row = np.int32(chunk.row)
             part = _gather(self.state, self.pool, self._tables, row, 1, None)
             part = self.loop.prefill_slot(self.per_row, *self._params(), part, np.int32(0), np.int32(chunk.start))
@@ -125,27 +127,32 @@ class Executor:
         if plan.segment is not None:
             jax.block_until_ready(self.state)  # the segment's own time: what the scheduler's cost estimates learn
             start = time.perf_counter()
-            self.segment(plan.segment)
+            self.segment(plan.segment, plan.prefill)
             jax.block_until_ready(self.state)
-            seconds = time.perf_counter() - start
+            seconds = None if plan.prefill else time.perf_counter() - start  # with chunks: not the cycles' time
         if not plan.busy:
             return StepResult(plan.step)
         return StepResult(plan.step, self._read(plan), self.counters(), seconds)
 
-    def segment(self, segment: Segment) -> None:
-        """`segment.cycles` cycles over rows [0, rows) and positions [0, positions) with the segment's program."""
+    def segment(self, segment: Segment, prefill: tuple[PrefillChunk, ...] = ()) -> None:
+        """The `prefill` chunks in order, then `segment.cycles` cycles over rows [0, rows) and positions [0,
+        positions), as the segment's one program (the same program with no chunks: their count is an argument)."""
         if segment.draft not in self.programs:
             labels = [shape.label for shape in self.shapes]
             raise ValueError(f"Segment.draft: this executor runs {labels}, got {segment.draft.label}")
         program = self.programs[segment.draft][0 if segment.greedy else 1]
+        fix = False
         if segment.greedy:
             self._q_stale = self._greedy_leaves_q
         elif self._q_stale:
-            self.state = _fix_greedy_q(self.state)
-            self._q_stale = False
-        window = (segment.rows, segment.positions, not segment.draft.plain)
-        args = (self.state, self.pool, self._tables, *self._params(), jnp.int32(segment.cycles))
-        self.state, self.pool = _segment(self.loop, program, window, *args)
+            fix, self._q_stale = True, False
+        chunks_N2 = np.zeros((self.max_batch, 2), np.int32)  # (row, start) of each chunk; padding never runs
+        chunks_N2[: len(prefill)] = np.reshape([(c.row, c.start) for c in prefill], (-1, 2))
+        programs = self.loop, self.per_row, program, (segment.rows, segment.positions, not segment.draft.plain)
+        runs = np.int32(len(prefill)), np.bool_(fix), np.int32(segment.cycles)
+        self.state, self.pool = _prefill_and_run(
+            *programs, self._params(), self.state, self.pool, self._tables, chunks_N2, *runs
+        )
 
     def counters(self) -> Counters:
         """The loop's running totals (cycles, per-depth reached / accepted, the accepted-length histogram)."""
@@ -231,17 +238,26 @@ def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) 
     return state, CachePool(target, drafter)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _segment(
-    loop, program: LoopConfig, window: tuple, state: LoopState, pool: CachePool, tables, tparams, dparams, cycles
-):
-    """One segment as one program: gather the window (rows, positions, with the drafter's cache or not: a plain
-    segment leaves it as it is), run `cycles` cycles of `program` on it, scatter it back (nothing of the state or the
-    pool is copied out and in between programs)."""
-    rows, positions, drafter = window
-    part = _gather(state, pool, tables, np.int32(0), rows, positions, drafter)
-    part = loop.run(program, tparams, dparams, part, cycles)
-    return _scatter(state, pool, tables, part, np.int32(0))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
+def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks_N2, count, fix, cycles):
+    """One segment's program: the prefill chunks `chunks_N2[:count]` ((row, start) each, in order; the loop's
+    `prefill_slot` under config `prefill`, each row gathered over every position), then `cycles` cycles of `cfg`
+    over the window (rows, positions, with the drafter's cache or not: a plain segment leaves it as it is) from row
+    0. Nothing of the state or the pool is copied out and in between programs. A chunk that ends a prompt activates
+    its row before the cycles, as a separate prefill program before the segment did; without chunks the loop over
+    them runs no iteration."""
+
+    def chunk(i, carry):
+        state, pool = carry
+        row, start = chunks_N2[i, 0], chunks_N2[i, 1]
+        part = loop.prefill_slot(prefill, *params, _gather(state, pool, tables, row, 1, None), jnp.int32(0), start)
+        return _scatter(state, pool, tables, part, row)
+
+    state, pool = jax.lax.fori_loop(0, count, chunk, (state, pool))
+    if cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it would have left them
+        state = jax.lax.cond(fix, _fix_greedy_q, lambda s: s, state)
+    part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
+    return _scatter(state, pool, tables, part, jnp.int32(0))
 
 
 def _spec(x: jax.Array) -> tuple:

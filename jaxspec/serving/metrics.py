@@ -108,12 +108,14 @@ class Metrics:
         if self._totals[0]:
             self.mean_accepted_length.set(1 + self._totals[1] / self._totals[0])
 
-    def observe_segment(self, draft: str, predicted: float | None, measured: float) -> None:
-        """One segment: its draft shape's label, its predicted tokens/s (None: not predicted) and measured tokens/s."""
+    def observe_segment(self, draft: str, predicted: float | None, measured: float | None) -> None:
+        """One segment: its draft shape's label, its predicted tokens/s (None: not predicted) and measured tokens/s
+        (None: not timed, its program ran prefill chunks too)."""
         self.segments.labels(draft).inc()
         if predicted is not None:
             self.predicted.set(predicted)
-        self.measured.set(measured)
+        if measured is not None:
+            self.measured.set(measured)
 
     def observe_tokens(self, n: int) -> None:
         now = time.perf_counter()

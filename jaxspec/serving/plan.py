@@ -11,7 +11,7 @@ process runs the same plans in the same order. The executor runs a plan's parts 
    that left gets none: every position of it then maps to the null block);
 3. `admit`: each `RowAdmission` writes one row's prompt, budget, sampling settings, stop ids and seed;
 4. `prefill`: one `PrefillChunk` (row, start) for each row still prefilling, in the order given (a row that reuses a
-   cached prefix starts past it);
+   cached prefix starts past it); with a segment, inside the segment's program, before its cycles;
 5. `segment`: `cycles` cycles of the draft-verify loop over rows [0, rows) and positions [0, positions) (compiled
    buckets), drafting `draft` (a `DraftShape`), as the static-greedy program (`greedy`) or the per-row one; None when
    no row is generating;
@@ -274,7 +274,8 @@ _COUNTS = ("reached", "accepted", "accept_hist")
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What the executor hands back for one plan: one `RowResult` per `RowRead`, in the plan's order, the loop's
-    counters after the step (None when the step ran nothing), and the wall seconds its segment took (None: none ran)."""
+    counters after the step (None when the step ran nothing), and the wall seconds its segment took (None: none ran,
+    or its program ran prefill chunks too)."""
 
     step: int
     rows: tuple[RowResult, ...] = ()

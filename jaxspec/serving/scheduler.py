@@ -214,7 +214,7 @@ class Scheduler:
         """Hand a step's new tokens to their requests; free the slots of finished ones."""
         if result.step != self.step:
             raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
-        if self._segment_run is not None and result.counters is not None and result.segment_seconds is not None:
+        if self._segment_run is not None and result.counters is not None:
             self.policy.observe(self._segment_run, result.counters, result.segment_seconds)
         now = time.perf_counter()
         delivered = []
