@@ -10,10 +10,16 @@ online, from the executor's `StepResult`s:
   by DECAY per drafting segment (a chain's a_j is a property of the drafter on the traffic, not of its depth, so
   every chain shares them).
 A segment over a bucket of rows, n of them generating, runs the shape of highest predicted throughput n E / T (the
-cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). A candidate not yet timed at that bucket
-runs first; afterwards a candidate that was not chosen runs again once the time spent without it reaches its own
-segment time / EXPLORE_SHARE (its cost, and a chain's acceptance, would go stale otherwise), so exploring costs about
-EXPLORE_SHARE of the time.
+cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). Learning what a shape costs costs time
+where it loses, so:
+- a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there runs again unless it is
+  predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING times too slow to hide
+  the fastest shape); the candidates timed fewest times run first, so their measurements interleave;
+- afterwards a candidate that is not chosen runs again once the time spent without it reaches its own segment time x
+  (the best prediction / its prediction) / EXPLORE_SHARE (its cost, and a chain's acceptance, would go stale
+  otherwise). A candidate at x = its prediction / the best's then takes about EXPLORE_SHARE x x of the time and
+  loses 1 - x of it: exploring costs at most EXPLORE_SHARE / 4 of the throughput, and the worse a shape looks, the
+  less often it is tried.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from jaxspec.profiling.cost_model import conditional_acceptance, expected_tokens
 from jaxspec.serving.plan import Counters, Segment
 
 RECENT = 8  # cycle-time measurements kept per (shape, row bucket)
-FIRST = 3  # measurements of every candidate at a bucket before the policy chooses there
+FIRST = 3  # measurements of every candidate at a bucket before the policy chooses there (unless it is losing)
+LOSING = 0.5  # a candidate predicted below this fraction of the best one's is not measured FIRST times
 DECAY = 0.9  # weight of the acceptance counters before a drafting segment's
-EXPLORE_SHARE = 0.02  # time spent re-measuring candidates that were not chosen, about
+EXPLORE_SHARE = 0.02  # time share re-measuring a candidate predicted as fast as the chosen one (less if slower)
 
 
 class DraftPolicy:
@@ -62,13 +69,16 @@ class DraftPolicy:
 
     def choose(self, rows: int, generating: int) -> DraftShape:
         """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating."""
-        untimed = [s for s in self.shapes if len(self._recent.get((s, rows), ())) < FIRST]
-        if untimed:
-            shape = untimed[0]
+        timed = {s: len(self._recent.get((s, rows), ())) for s in self.shapes}
+        predicted = {s: self.predict(s, rows, generating) for s in self.shapes if timed[s]}
+        best = max(predicted.values(), default=None)
+        learning = [s for s in self.shapes if not timed[s] or (timed[s] < FIRST and predicted[s] >= LOSING * best)]
+        if learning:
+            shape = min(learning, key=timed.get)  # the first of the fewest timed
         else:
-            shape = max(self.shapes, key=lambda s: self.predict(s, rows, generating))
+            shape = max(self.shapes, key=predicted.get)
             for other in self.shapes:
-                segment = self.cycle_seconds[other, rows] * self.cycles
+                segment = self.cycle_seconds[other, rows] * self.cycles * best / predicted[other]
                 if other != shape and self._idle.get((other, rows), 0.0) * EXPLORE_SHARE >= segment:
                     shape = other
                     break

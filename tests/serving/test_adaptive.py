@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.serving.adaptive import EXPLORE_SHARE, FIRST, DraftPolicy
+from jaxspec.serving.adaptive import EXPLORE_SHARE, FIRST, LOSING, DraftPolicy
 from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor, _gather
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
@@ -176,13 +176,16 @@ class Loop:
 
 @pytest.mark.parametrize(
     ("accepted", "chain_cost", "best"),
-    [(3, 2.0, CHAIN), (0, 2.0, PLAIN), (1, 3.0, PLAIN), (2, 2.0, CHAIN)],
+    [(3, 2.0, CHAIN), (0, 2.0, PLAIN), (1, 3.0, PLAIN), (2, 2.0, CHAIN), (0, 3.0, PLAIN), (3, 8.0, PLAIN)],
 )
 def test_the_policy_times_each_shape_first_then_runs_the_predicted_fastest(accepted, chain_cost, best):
-    """Shapes timed fewer than FIRST times run first; then the shape of highest n E / T: a chain accepting a drafts
-    per cycle yields a + 1 tokens per cycle at `chain_cost` times a plain cycle."""
+    """Each shape runs once, then each again up to FIRST times (interleaved) unless predicted below LOSING x the
+    best; then the shape of highest n E / T: a chain accepting a drafts per cycle yields a + 1 tokens per cycle at
+    `chain_cost` times a plain cycle."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
-    for expected in [PLAIN] * FIRST + [CHAIN] * FIRST:
+    chain, plain = (1 + accepted) / chain_cost, 1.0  # tokens per plain cycle's time
+    learning = [s for s, r in ((PLAIN, plain), (CHAIN, chain)) if r >= LOSING * max(chain, plain)]
+    for expected in [PLAIN, CHAIN] + learning * (FIRST - 1):
         shape = policy.choose(2, 2)
         assert shape == expected
         loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted)
@@ -192,18 +195,20 @@ def test_the_policy_times_each_shape_first_then_runs_the_predicted_fastest(accep
     assert policy.choose(1, 1) == PLAIN  # another bucket: timed on its own
 
 
-def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time():
-    """With the chain losing (nothing accepted), it runs again only once the time spent without it is its segment's
-    time / EXPLORE_SHARE; then, still losing, plain decoding again."""
+@pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 3.0), (0, 1.5), (1, 2.5)])
+def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time(accepted, chain_cost):
+    """With the chain losing (x = its predicted throughput / plain decoding's), it runs again once the time spent
+    without it reaches its segment's time / x / EXPLORE_SHARE; then, still losing, plain decoding again: exploring
+    takes about EXPLORE_SHARE x x of the time, and costs at most EXPLORE_SHARE / 4 of the throughput."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
-    for _ in range(FIRST):
-        loop.run(policy, policy.choose(2, 2), 0.01, 0)
-    for _ in range(FIRST):
-        loop.run(policy, policy.choose(2, 2), 0.03, 0)
+    x = (1 + accepted) / chain_cost
     chosen = []
-    for _ in range(1000):
+    for _ in range(3000):
         shape = policy.choose(2, 2)
         chosen.append(shape)
-        loop.run(policy, shape, 0.03 if shape.num_steps else 0.01, 0)
-    explored = chosen.count(CHAIN)
-    assert 0 < explored and explored * 4 * 0.03 <= EXPLORE_SHARE * 1.1 * (chosen.count(PLAIN) * 4 * 0.01)
+        loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted)
+    explored = chosen.count(CHAIN) - (FIRST if x >= LOSING else 1)
+    plain_time, explored_time = chosen.count(PLAIN) * 0.04, explored * 0.04 * chain_cost
+    assert 0 < explored and explored_time <= EXPLORE_SHARE * x * 1.1 * plain_time
+    lost = explored_time * (1 - x) / (plain_time + explored_time)
+    assert lost <= EXPLORE_SHARE / 4
