@@ -9,7 +9,7 @@ greedy requests of --max-tokens tokens one after the other, driven by `Engine.st
 the engines; the median tokens/s per (case, engine, c) is reported, whether every engine of a case produced the same
 tokens, and auto's segments per shape.
 
-    python benchmarks/serve_adaptive.py --rounds 3     # writes benchmarks/results/serve_adaptive.{json,md}
+    python benchmarks/serve_adaptive.py --rounds 5 --max-tokens 96  # writes benchmarks/results/serve_adaptive.{json,md}
 """
 
 from __future__ import annotations

@@ -276,8 +276,8 @@ class Engine:
                 f"{len(programs)} programs compiled ({time.perf_counter() - start:.1f}s)"
             )
         self.run_until_idle()
-        # A prefix hit's program (the row's key advanced past the cached chunks): a row admitted as if its first
-        # chunk were cached, then freed (every row is free here; the next admission rewrites it).
+        # A prefix hit's admission: a row admitted as if its first chunk were cached, then freed (every row is free
+        # here; the next admission rewrites it).
         chunk = cfg.prefill_chunk
         self._run(StepPlan(0, admit=(RowAdmission(0, (1,) * (chunk + 1), 1, cached=chunk),)))
         self._run(StepPlan(0, free=(0,)))
