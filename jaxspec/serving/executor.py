@@ -2,15 +2,15 @@
 
 It owns the device side of serving: the loop state of every slot (`LoopState`, B rows x S positions, without its
 caches), the cache pool (`CachePool`: the target's latent cache and the drafter's KV in blocks of positions; block 0
-is the null block) with each row's block table, and the compiled programs that change them (admit, free, one prefill
-chunk of one row, a segment over a window of rows and positions). A segment's program runs the step's prefill chunks
-first, then its cycles (a mixed step: a step with a generating row runs no prefill program of its own; a chunk runs
-alone only when no row is generating). A prefill chunk or a segment gathers its rows' blocks into the dense window
-of the state the compiled loop runs on, and scatters the window's caches back through the same tables (a cached
-prefix block shared by rows gets back the values it had: nothing below a row's prompt end is written). It decides
-nothing: which rows, chunks, buckets and program run is the plan's, so every process of a multi-process server runs
-the same programs in the same order from the same plans. The plan's parts run in the order plan.py gives (free,
-blocks, admit, prefill, segment, read).
+is the null block) with each row's block table, and the compiled programs that change them (admit, free, a step's
+prefill chunks and its segment over a window of rows and positions). A segment's program runs the step's prefill
+chunks first, then its cycles (a mixed step: a step with a generating row runs no prefill program of its own; the
+same program without a segment runs the chunks alone when no row is generating). A prefill chunk or a segment
+gathers its rows' blocks into the dense window of the state the compiled loop runs on, and scatters the window's
+caches back through the same tables (a cached prefix block shared by rows gets back the values it had: nothing below
+a row's prompt end is written). It decides nothing: which rows, chunks, buckets and program run is the plan's, so
+every process of a multi-process server runs the same programs in the same order from the same plans. The plan's
+parts run in the order plan.py gives (free, blocks, admit, prefill, segment, read).
 """
 
 from __future__ import annotations
@@ -118,11 +118,8 @@ class Executor:
             row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
             init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos, a.first)
             self.state = _admit(self.state, np.int32(a.row), init)
-        for chunk in plan.prefill if plan.segment is None else ():  # alone: no row is generating
-            row = np.int32(chunk.row)
-            part = _gather(self.state, self.pool, self._tables, row, 1, None)
-            part = self.loop.prefill_slot(self.per_row, *self._params(), part, np.int32(0), np.int32(chunk.start))
-            self.state, self.pool = _scatter(self.state, self.pool, self._tables, part, row)
+        if plan.prefill and plan.segment is None:  # the chunks alone: no row is generating
+            self._run_program(plan.prefill)
         seconds = None
         if plan.segment is not None:
             jax.block_until_ready(self.state)  # the segment's own time: what the scheduler's cost estimates learn
@@ -146,10 +143,15 @@ class Executor:
             self._q_stale = self._greedy_leaves_q
         elif self._q_stale:
             fix, self._q_stale = True, False
+        window = segment.rows, segment.positions, not segment.draft.plain
+        self._run_program(prefill, program, window, fix, segment.cycles)
+
+    def _run_program(self, prefill, program: LoopConfig | None = None, window=None, fix=False, cycles=0) -> None:
+        """`_prefill_and_run`: the `prefill` chunks, then (with a `program`) `cycles` cycles over `window`."""
         chunks_N2 = np.zeros((self.max_batch, 2), np.int32)  # (row, start) of each chunk; padding never runs
         chunks_N2[: len(prefill)] = np.reshape([(c.row, c.start) for c in prefill], (-1, 2))
-        programs = self.loop, self.per_row, program, (segment.rows, segment.positions, not segment.draft.plain)
-        runs = np.int32(len(prefill)), np.bool_(fix), np.int32(segment.cycles)
+        programs = self.loop, self.per_row, program, window
+        runs = np.int32(len(prefill)), np.bool_(fix), np.int32(cycles)
         self.state, self.pool = _prefill_and_run(
             *programs, self._params(), self.state, self.pool, self._tables, chunks_N2, *runs
         )
@@ -197,7 +199,9 @@ _free = jax.jit(LoopState.free, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _gather(state, pool: CachePool, tables, start, rows: int, positions: int | None, drafter=True) -> LoopState:
+def _gather(
+    state: LoopState, pool: CachePool, tables, start, rows: int, positions: int | None, drafter: bool = True
+) -> LoopState:
     """The window of rows [start, start + rows) and positions [0, positions) (all: None), its caches read from the
     pool through the rows' block tables (the drafter's only with `drafter`; else None)."""
     window = state.window(rows, positions, start)
@@ -243,9 +247,9 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
     """One segment's program: the prefill chunks `chunks_N2[:count]` ((row, start) each, in order; the loop's
     `prefill_slot` under config `prefill`, each row gathered over every position), then `cycles` cycles of `cfg`
     over the window (rows, positions, with the drafter's cache or not: a plain segment leaves it as it is) from row
-    0. Nothing of the state or the pool is copied out and in between programs. A chunk that ends a prompt activates
-    its row before the cycles, as a separate prefill program before the segment did; without chunks the loop over
-    them runs no iteration."""
+    0 (`cfg` None: the chunks alone, in a step with no generating row). Nothing of the state or the pool is copied
+    out and in between programs. A chunk that ends a prompt activates its row before the cycles, as a separate
+    prefill program before the segment did; without chunks the loop over them runs no iteration."""
 
     def chunk(i, carry):
         state, pool = carry
@@ -254,6 +258,8 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         return _scatter(state, pool, tables, part, row)
 
     state, pool = jax.lax.fori_loop(0, count, chunk, (state, pool))
+    if cfg is None:
+        return state, pool
     if cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it would have left them
         state = jax.lax.cond(fix, _fix_greedy_q, lambda s: s, state)
     part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
