@@ -4,12 +4,14 @@ Two cases: the bundled pair, and the bundled target with a deliberately poor dra
 scrambled: each array's entries permuted; no tune.json, so auto's chain is k = 3 for both). Per case, three engines
 (8 slots, batch buckets 1 and 8, 256 positions per slot): fixed k = 3, plain (k = 0, no drafter), and auto (per
 segment plain or the k = 3 chain, the scheduler's DraftPolicy choosing from the segment times and acceptance it
-measures; the policy keeps what it learned across rounds, as a server does). Concurrency c: c clients, each sending 2
-greedy requests of --max-tokens tokens one after the other, driven by `Engine.step` in this thread. Rounds interleave
-the engines; the median tokens/s per (case, engine, c) is reported, whether every engine of a case produced the same
-tokens, and auto's segments per shape.
+measures; the policy keeps what it learned across rounds, as a server does). Concurrency c: c clients, each sending
+--requests greedy requests of --max-tokens tokens one after the other, driven by `Engine.step` in this thread (the
+garbage collector paused while timed). Rounds interleave the engines (in a shuffled order each time); the median
+tokens/s per (case, engine, c) is reported (auto / the better: the ratio of those medians), with the median over
+rounds of auto's tokens/s over the better engine's in the same round (a load that drifts between rounds moves both
+alike), whether every engine of a case produced the same tokens, and auto's segments per shape.
 
-    python benchmarks/serve_adaptive.py --rounds 5 --max-tokens 96  # writes benchmarks/results/serve_adaptive.{json,md}
+    python benchmarks/serve_adaptive.py --rounds 7 --max-tokens 96 --requests 4  # writes results/serve_adaptive.*
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=2, help="requests each client sends per round, one after another")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_adaptive.json")
     args = p.parse_args()
     from jaxspec import bundled
@@ -77,13 +80,15 @@ def main() -> None:
     load_before = os.getloadavg()
     rates, outputs, same = collections.defaultdict(list), {}, {}
     segments = {case: collections.Counter() for case in cases}
+    order = np.random.default_rng(0)  # each (round, case, c) runs its engines in a shuffled order: none always first
     for _ in range(args.rounds):
         for case, engines in cases.items():
             for c in (1, 8):
-                for name, engine in engines.items():
+                for name in order.permutation(list(engines)):
+                    engine = engines[name]
                     if name == "auto":
                         engine.executor.run = counting(engine.executor, segments[case])
-                    rate, tokens = load(engine, prompts, c, args.max_tokens)
+                    rate, tokens = load(engine, prompts, c, args.max_tokens, args.requests)
                     if name == "auto":
                         del engine.executor.run
                     rates[(case, name, c)].append(rate)
@@ -94,11 +99,21 @@ def main() -> None:
         for c in (1, 8):
             m = {name: float(np.median(rates[(case, name, c)])) for name in engines}
             best = max(m["k=3"], m["plain"])
+            better = "k=3" if m["k=3"] > m["plain"] else "plain"
+            paired = np.median(np.divide(rates[(case, "auto", c)], rates[(case, better, c)]))
             key = f"{case} c={c}"
-            table[key] = {"tok_s": m, "auto_over_better": m["auto"] / best, "same_tokens": same[key]}
+            table[key] = {
+                "tok_s": m,
+                "auto_over_better": m["auto"] / best,
+                "per_round_auto_over_better": float(paired),
+                "same_tokens": same[key],
+            }
             print(case, c, json.dumps(table[f"{case} c={c}"]), flush=True)
     record = {
-        "command": f"python benchmarks/serve_adaptive.py --rounds {args.rounds} --max-tokens {args.max_tokens}",
+        "command": (
+            f"python benchmarks/serve_adaptive.py --rounds {args.rounds} --max-tokens {args.max_tokens} "
+            f"--requests {args.requests}"
+        ),
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -130,13 +145,14 @@ def report(record: dict) -> str:
         f"jobs beside it: load average (1, 5, 15 min) {', '.join(f'{x:.1f}' for x in record['load_average_before'])} "
         f"before the measured rounds, {', '.join(f'{x:.1f}' for x in record['load_average_after'])} after.",
         "",
-        "| case | k=3 tok/s | plain tok/s | auto tok/s | auto / the better | same tokens |",
-        "|---|---|---|---|---|---|",
+        "| case | k=3 tok/s | plain tok/s | auto tok/s | auto / the better | per round (median) | same tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in record["results"].items():
         m = r["tok_s"]
-        ratio, same = r["auto_over_better"], "yes" if r["same_tokens"] else "NO"
-        lines.append(f"| {name} | {m['k=3']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {ratio:.2f} | {same} |")
+        ratio, paired, same = r["auto_over_better"], r["per_round_auto_over_better"], r["same_tokens"]
+        cells = f"{m['k=3']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {ratio:.2f} | {paired:.2f}"
+        lines.append(f"| {name} | {cells} | {'yes' if same else 'NO'} |")
     lines += ["", "Segments auto ran, per draft shape (all rounds): " + json.dumps(record["auto_segments"]), ""]
     lines += ["Warm-up seconds: " + json.dumps({k: round(v, 1) for k, v in record["warmup_s"].items()}), ""]
     return "\n".join(lines)

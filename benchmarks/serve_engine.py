@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import gc
 import json
 import os
 import time
@@ -29,10 +31,30 @@ import numpy as np
 VARIANTS = {"old": dict(greedy_program=False, context_buckets=(512,)), "new": {}}
 
 
-def load(engine, prompts, c: int, max_tokens: int):
+def load(engine, prompts, c: int, max_tokens: int, per_client: int = 2):
+    """`c` clients, each sending `per_client` requests of `max_tokens` one after the other, driven by `engine.step`
+    here (Python's garbage collector paused while timed); returns (tokens/s, every request's tokens)."""
     from jaxspec.serving.engine import Request
 
-    reqs = [Request(prompts[i % len(prompts)], max_tokens) for i in range(2 * c)]
+    reqs = [Request(prompts[i % len(prompts)], max_tokens) for i in range(per_client * c)]
+    gc.collect()
+    with paused_gc():
+        return _drive(engine, reqs, c)
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Python's garbage collector off inside (timeit's default: a collection is not the code's time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _drive(engine, reqs, c: int):
     start = time.perf_counter()
     pending = list(reqs)
     active = [pending.pop(0) for _ in range(c)]

@@ -1,7 +1,9 @@
 """`jaxspec serve` as one program over 2 processes x 4 CPU devices (jax.distributed over gloo, a 1x8 mesh spanning
 both, as a TPU v5p-16's two hosts): process 0 serves HTTP and sends its plans to process 1 (serving/fanout.py).
-Two completions at once come back with the text a single process with the same 1x8 mesh generates, and SIGTERM to
-process 0 drains it and ends both processes."""
+The server runs `--num-steps auto`: process 0's policy picks each segment's draft shape and process 1 runs the shape
+its plan names. Two completions at once come back with the text a single process with the same 1x8 mesh generates
+(greedy tokens do not depend on the shapes that ran), both plain and chain segments ran, and SIGTERM to process 0
+drains it and ends both processes."""
 
 import concurrent.futures
 import os
@@ -9,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -25,7 +28,7 @@ def servers(tmp_path_factory):
     for i in range(2):
         argv = [sys.executable, "-m", "jaxspec", "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{coordinator}"]
         argv += ["--num-processes", "2", "--process-id", str(i), "serve", "--mesh", "1x8", "--port", str(port)]
-        argv += ["--num-steps", str(NUM_STEPS), "--max-batch", "2", "--batch-buckets", "2", "--max-context", "128"]
+        argv += ["--num-steps", "auto", "--max-batch", "2", "--batch-buckets", "2", "--max-context", "128"]
         argv += ["--context-buckets", "128", "--prefill-chunk", "32", "--segment-cycles", "2"]
         with open(logs / f"process{i}.log", "w") as out:
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()))
@@ -59,6 +62,12 @@ def test_two_processes_serve_the_single_process_text_and_sigterm_ends_both(serve
             )
         )
     assert [o.choices[0].text for o in outs] == want
+    ran = {
+        line.split('"')[1]: float(line.split()[-1])
+        for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
+        if line.startswith("jaxspec_segments_total{")
+    }
+    assert ran.get("k=0", 0) > 0 and any(n > 0 for shape, n in ran.items() if shape != "k=0"), ran
     procs[0].send_signal(signal.SIGTERM)
     for i, p in enumerate(procs):
         try:
