@@ -249,7 +249,11 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
     over the window (rows, positions, with the drafter's cache or not: a plain segment leaves it as it is) from row
     0 (`cfg` None: the chunks alone, in a step with no generating row). Nothing of the state or the pool is copied
     out and in between programs. A chunk that ends a prompt activates its row before the cycles, as a separate
-    prefill program before the segment did; without chunks the loop over them runs no iteration."""
+    prefill program before the segment did; without chunks the loop over them runs no iteration.
+
+    The target states plain cycles keep for the drafter (`aux_BSI`, [B, S, 3 x hidden]) go through only where they
+    are written: chunks neither read nor write them, and a chain segment only reads them (its catch-up), so neither
+    puts them back (XLA copied the whole buffer twice per program when they went through the loop and the put)."""
 
     def chunk(i, carry):
         state, pool = carry
@@ -257,13 +261,18 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         part = loop.prefill_slot(prefill, *params, _gather(state, pool, tables, row, 1, None), jnp.int32(0), start)
         return _scatter(state, pool, tables, part, row)
 
-    state, pool = jax.lax.fori_loop(0, count, chunk, (state, pool))
+    kept = state.aux_BSI
+    state, pool = jax.lax.fori_loop(0, count, chunk, (state.replace(aux_BSI=None), pool))
+    state = state.replace(aux_BSI=kept)
     if cfg is None:
         return state, pool
     if cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it would have left them
         state = jax.lax.cond(fix, _fix_greedy_q, lambda s: s, state)
     part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
-    return _scatter(state, pool, tables, part, jnp.int32(0))
+    if kept is None or not cfg.num_steps:  # plain cycles write the states they keep
+        return _scatter(state, pool, tables, part, jnp.int32(0))
+    state, pool = _scatter(state.replace(aux_BSI=None), pool, tables, part.replace(aux_BSI=None), jnp.int32(0))
+    return state.replace(aux_BSI=kept), pool
 
 
 def _spec(x: jax.Array) -> tuple:
