@@ -6,12 +6,12 @@ scrambled: each array's entries permuted; no tune.json, so auto's chain is k = 3
 segment plain or the k = 3 chain, the scheduler's DraftPolicy choosing from the segment times and acceptance it
 measures; the policy keeps what it learned across rounds, as a server does). Concurrency c: c clients, each sending
 --requests greedy requests of --max-tokens tokens one after the other. A case's engines serve that load side by side
-in lockstep, driven by `Engine.step` in this thread: one step of each engine with work left, in a shuffled order,
-then again (the garbage collector paused), so other work on this shared machine falls on every engine alike; an
-engine's tokens/s is its tokens over the seconds of its own steps. The median tokens/s per (case, engine, c) over
-rounds is reported (auto / the better: the ratio of those medians), with the median over rounds of auto's tokens/s
-over the better engine's in the same round, whether every engine of a case produced the same tokens, and auto's
-segments per shape.
+in lockstep (serve_engine.py's `lockstep`), driven by `Engine.step` in this thread: one step of each engine with work
+left, in a shuffled order, then again (the garbage collector paused), so other work on this shared machine falls on
+every engine alike; an engine's tokens/s is its tokens over the seconds of its own steps. The median tokens/s per
+(case, engine, c) over rounds is reported (auto / the better: the ratio of those medians), with the median over
+rounds of auto's tokens/s over the better engine's in the same round, whether every engine of a case produced the
+same tokens, and auto's segments per shape.
 
     python benchmarks/serve_adaptive.py --rounds 7 --max-tokens 96 --requests 4  # writes results/serve_adaptive.*
 """
@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import gc
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
-from serve_engine import paused_gc  # this directory (run as a script)
+from serve_engine import Clients, lockstep  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,52 +124,6 @@ def main() -> None:
     }
     args.output.write_text(json.dumps(record, indent=2) + "\n")
     args.output.with_suffix(".md").write_text(report(record))
-
-
-class Clients:
-    """`c` clients of `engine`, each sending `per_client` requests of `max_tokens` one after the other (a client's
-    next request is submitted when its previous one finishes); `step` runs one engine step and times it."""
-
-    def __init__(self, engine, prompts, c: int, max_tokens: int, per_client: int):
-        from jaxspec.serving.engine import Request
-
-        self.engine, self.seconds = engine, 0.0
-        self.requests = [Request(prompts[i % len(prompts)], max_tokens) for i in range(per_client * c)]
-        self.pending = list(self.requests)
-        self.active = [self.pending.pop(0) for _ in range(c)]
-        for r in self.active:
-            engine.submit(r)
-
-    @property
-    def done(self) -> bool:
-        return all(r.finished for r in self.requests)
-
-    def step(self) -> None:
-        start = time.perf_counter()
-        self.engine.step()
-        for r in [r for r in self.active if r.finished]:
-            self.active.remove(r)
-            if self.pending:
-                self.active.append(self.pending.pop(0))
-                self.engine.submit(self.active[-1])
-        self.seconds += time.perf_counter() - start
-
-    @property
-    def rate(self) -> float:
-        return sum(len(r.tokens) for r in self.requests) / self.seconds
-
-    @property
-    def tokens(self) -> list:
-        return [r.tokens for r in self.requests]
-
-
-def lockstep(clients: dict, order: np.random.Generator) -> None:
-    """Step every engine with work left once, in a shuffled order, until all are done (garbage collector paused)."""
-    gc.collect()
-    with paused_gc():
-        while live := [name for name, c in clients.items() if not c.done]:
-            for name in order.permutation(live):
-                clients[name].step()
 
 
 def counting(executor, counter):

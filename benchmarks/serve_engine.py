@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import gc
 import json
 import os
@@ -33,42 +32,61 @@ VARIANTS = {"old": dict(greedy_program=False, context_buckets=(512,)), "new": {}
 
 def load(engine, prompts, c: int, max_tokens: int, per_client: int = 2):
     """`c` clients, each sending `per_client` requests of `max_tokens` one after the other, driven by `engine.step`
-    here (Python's garbage collector paused while timed); returns (tokens/s, every request's tokens)."""
-    from jaxspec.serving.engine import Request
-
-    reqs = [Request(prompts[i % len(prompts)], max_tokens) for i in range(per_client * c)]
-    gc.collect()
-    with paused_gc():
-        return _drive(engine, reqs, c)
+    here (Python's garbage collector paused); returns (tokens/s over the engine's steps, every request's tokens)."""
+    clients = Clients(engine, prompts, c, max_tokens, per_client)
+    lockstep({"engine": clients}, np.random.default_rng(0))
+    return clients.rate, clients.tokens
 
 
-@contextlib.contextmanager
-def paused_gc():
-    """Python's garbage collector off inside (timeit's default: a collection is not the code's time)."""
+class Clients:
+    """`c` clients of `engine`, each sending `per_client` requests of `max_tokens` one after the other (a client's
+    next request is submitted when its previous one finishes); `step` runs one engine step and times it."""
+
+    def __init__(self, engine, prompts, c: int, max_tokens: int, per_client: int):
+        from jaxspec.serving.engine import Request
+
+        self.engine, self.seconds = engine, 0.0
+        self.requests = [Request(prompts[i % len(prompts)], max_tokens) for i in range(per_client * c)]
+        self.pending = list(self.requests)
+        self.active = [self.pending.pop(0) for _ in range(c)]
+        for r in self.active:
+            engine.submit(r)
+
+    @property
+    def done(self) -> bool:
+        return all(r.finished for r in self.requests)
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        self.engine.step()
+        for r in [r for r in self.active if r.finished]:
+            self.active.remove(r)
+            if self.pending:
+                self.active.append(self.pending.pop(0))
+                self.engine.submit(self.active[-1])
+        self.seconds += time.perf_counter() - start
+
+    @property
+    def rate(self) -> float:
+        return sum(len(r.tokens) for r in self.requests) / self.seconds
+
+    @property
+    def tokens(self) -> list:
+        return [r.tokens for r in self.requests]
+
+
+def lockstep(clients: dict[str, Clients], order: np.random.Generator) -> None:
+    """Step every engine with work left once, in a shuffled order, until all are done, with Python's garbage
+    collector paused (timeit's default: a collection is not the engines' time)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
+        while live := [name for name, c in clients.items() if not c.done]:
+            for name in order.permutation(live):
+                clients[name].step()
     finally:
         if enabled:
             gc.enable()
-
-
-def _drive(engine, reqs, c: int):
-    start = time.perf_counter()
-    pending = list(reqs)
-    active = [pending.pop(0) for _ in range(c)]
-    for r in active:
-        engine.submit(r)
-    while any(not r.finished for r in reqs):
-        engine.step()
-        for r in list(active):
-            if r.finished:
-                active.remove(r)
-                if pending:
-                    active.append(pending.pop(0))
-                    engine.submit(active[-1])
-    return sum(len(r.tokens) for r in reqs) / (time.perf_counter() - start), [r.tokens for r in reqs]
 
 
 def main() -> None:

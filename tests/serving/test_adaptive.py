@@ -149,17 +149,16 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
 
 def test_programs_do_not_copy_the_kept_target_states(engine):
     """The target states plain cycles keep (`aux_BSI`, [B, S, 3 x hidden]: 352 MB for Kimi at 8 slots x 1024
-    positions) stay in place: a chain segment's program (which only reads them) and the prefill chunks' program
-    (which does not touch them) compile without a copy of the buffer (XLA copied it twice per chain segment when
-    they went through the chunks' loop and the window's put)."""
+    positions) stay in place: a chain segment's program, which only reads them after prefill chunks that do not
+    touch them, compiles without a copy of the buffer (XLA copied it twice per chain segment when they went through
+    the chunks' loop and the window's put). One row of the two, as a bucket smaller than the slots."""
     x, c = engine.executor, engine.config
     shape = ",".join(map(str, x.state.aux_BSI.shape))
-    chunks = np.zeros((c.max_batch, 2), np.int32)
-    for program, window in ((x.programs[CHAIN][0], (1, c.max_context, True)), (None, None)):  # 1 row of 2
-        args = x.loop, x.per_row, program, window, x._params(), x.state, x.pool, x._tables, chunks
-        hlo = _prefill_and_run.lower(*args, np.int32(0), np.bool_(False), np.int32(c.segment_cycles)).compile()
-        copies = re.findall(rf"\w+\[{shape}\]\S* copy\(", hlo.as_text())
-        assert not copies, f"{'chain' if program else 'chunks'} program copies aux_BSI: {copies}"
+    args = x.loop, x.per_row, x.programs[CHAIN][0], (1, c.max_context, True), x._params(), x.state, x.pool
+    runs = np.zeros((c.max_batch, 2), np.int32), np.int32(0), np.bool_(False), np.int32(c.segment_cycles)
+    hlo = _prefill_and_run.lower(*args, x._tables, *runs).compile().as_text()
+    copies = re.findall(rf"\w+\[{shape}\]\S* copy\(", hlo)
+    assert not copies, f"the chain segment's program copies aux_BSI: {copies}"
 
 
 def row_draft_cache(executor: Executor, row: int):
