@@ -69,13 +69,16 @@ class SpecLoop:
         state, _ = jax.lax.scan(body, state, jnp.arange(cfg.prompt_bucket // chunk, dtype=jnp.int32))
         return state.replace(done_B=state.done_B | self._ends_at_first(cfg, state))
 
-    def _prefill_slot_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, slot, start) -> LoopState:
+    def _prefill_slot_impl(
+        self, cfg: LoopConfig, tparams, dparams, state: LoopState, slot, start, feed=None
+    ) -> LoopState:
         """One prefill chunk (positions start..start+chunk) of row `slot` of a per-row state (LoopConfig.sampling
         None), for the serving engine: every other row keeps its state. The row must be admitted (`LoopState.admit`)
         and done (so cycles skip it) while its chunks run in order; the chunk holding its last prompt position sets
-        its first token and draft, and makes it active unless that token ends it."""
+        its first token and draft, and makes it active unless that token ends it. `feed` (a traced bool; None:
+        True): the drafter runs over the chunk; else over the prompt's last position only (`_prompt_draft`)."""
         self.traces += 1
-        row = self._prefill_chunk(cfg, tparams, dparams, state.window(1, start=slot), start)
+        row = self._prefill_chunk(cfg, tparams, dparams, state.window(1, start=slot), start, feed)
         last_chunk = row.prompt_len_B - 1 < start + cfg.prefill_chunk
         row = row.replace(done_B=jnp.where(last_chunk, self._ends_at_first(cfg, row), True))
         return state.put(row, start=slot)
@@ -85,7 +88,7 @@ class SpecLoop:
         first_B = jnp.take_along_axis(s.tokens_BS, s.prompt_len_B[:, None], axis=1)[:, 0]
         return _is_stop(first_B, cfg, s) | (s.max_new_B <= 1)
 
-    def _prefill_chunk(self, cfg: LoopConfig, tparams, dparams, s: LoopState, start) -> LoopState:
+    def _prefill_chunk(self, cfg: LoopConfig, tparams, dparams, s: LoopState, start, feed=None) -> LoopState:
         """Prompt positions start..start+chunk of every row into the caches. A row whose last prompt position falls
         in this chunk gets its first generated token, its first draft (and q) and the drafter's hidden state."""
         tokens_BS, prompt_len_B, sampling = s.tokens_BS, s.prompt_len_B, _sampling(cfg, s)
@@ -118,10 +121,9 @@ class SpecLoop:
             dq_BV, h2_BD, dcache = extend_logits(self.drafter, dparams, next_BT, aux_BTI, pos_BT, s.draft_cache, row_B)
             d_B = s.draft_B
         else:
-            d_B, dq_BV, h2_BD, dcache = draft_extend(
-                self.drafter, dparams, next_BT, aux_BTI, pos_BT, s.draft_cache, row_B, k2, sampling
-            )
-        if s.drafted_B is not None:  # the drafter has run over the prompt
+            chunk = next_BT, aux_BTI, pos_BT, row_B
+            d_B, dq_BV, h2_BD, dcache = self._prompt_draft(dparams, s.draft_cache, chunk, k2, sampling, feed)
+        if s.drafted_B is not None:  # the drafter has run over the prompt (or is not fed it: `_prompt_draft`)
             s = s.replace(drafted_B=jnp.where(in_chunk_B, prompt_len_B, s.drafted_B))
         return s.replace(
             draft_cache=dcache,
@@ -129,6 +131,24 @@ class SpecLoop:
             draft_q_BV=jnp.where(in_chunk_B[:, None], dq_BV, s.draft_q_BV),
             hidden_BD=jnp.where(in_chunk_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
         )
+
+    def _prompt_draft(self, dparams, cache, chunk, key, sampling, feed):
+        """The drafter over a prefill chunk (tokens, target states, positions [B, T, ..], each row's last prompt
+        position in it): its draft-extend over every position, or with `feed` False (adaptive serving admits rows
+        that way where speculation does not pay) over each row's last prompt position alone. That is all the first
+        draft needs: the draft and its distribution q come from the drafter as they always do (so speculative
+        sampling stays lossless: it is for any q a draft is drawn from); only the drafter's cache below the
+        prompt's end holds no entries of this prompt, which costs acceptance, never correctness, if chains run on
+        the row later. A chunk without the row's last position writes one entry of no use (the row's own, past any
+        cached prefix: a prompt's registered blocks end before its last position)."""
+        tokens_BT, aux_BTI, pos_BT, row_B = chunk
+        whole = lambda: draft_extend(self.drafter, dparams, *chunk[:3], cache, row_B, key, sampling)
+        if feed is None:
+            return whole()
+        at = lambda x: jnp.take_along_axis(x, row_B.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)
+        last = (at(tokens_BT), at(aux_BTI), at(pos_BT))
+        alone = lambda: draft_extend(self.drafter, dparams, *last, cache, jnp.zeros_like(row_B), key, sampling)
+        return jax.lax.cond(feed, whole, alone)
 
     # ------------------------------------------------------------------ the cycle loop
     def _run_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, max_cycles):
@@ -175,9 +195,10 @@ class SpecLoop:
         return jax.lax.while_loop(lambda s: jnp.any(behind(s)), step, s)
 
     def _keep_aux(self, aux_BSI, captured, n_B):
-        """A plain cycle's captured target states [X, B, 1, D] written at each row's position n_B of `aux_BSI`."""
+        """A plain cycle's captured target states [X, B, 1, D] written at each row's position n_B of `aux_BSI` (its
+        first B rows: the serving executor passes the whole buffer to a window of its first rows)."""
         aux_BI = replicate(concat_captured(captured), self.target.mesh)[:, 0].astype(aux_BSI.dtype)
-        rows_B = jnp.arange(aux_BSI.shape[0])
+        rows_B = jnp.arange(n_B.shape[0])
         return aux_BSI.at[rows_B, n_B].set(aux_BI, mode="drop")  # a scatter XLA runs in place (no copy per cycle)
 
     def _cycle(self, cfg: LoopConfig, tparams, dparams, s: LoopState) -> LoopState:

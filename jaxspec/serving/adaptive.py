@@ -20,6 +20,12 @@ where it loses, so:
   otherwise). A candidate at x = its prediction / the best's then takes about EXPLORE_SHARE x x of the time and
   loses 1 - x of it: exploring costs at most EXPLORE_SHARE / 4 of the throughput, and the worse a shape looks, the
   less often it is tried.
+A row admitted while every chain is predicted below FEED x plain decoding's throughput, at every row bucket where
+both were timed, is not fed the drafter at prefill (`feeds_drafter`): its prefill runs the drafter over the prompt's
+last position only (the drafter's prefill over the whole prompt is a cost paid for chains that would not run; on the
+bundled pair it is 25% of a prompt's prefill). Chains on such a row draft with no drafter entries for its prompt:
+lossless, at a lower acceptance, which a re-measuring chain then also sees; so every FEED_EVERY-th admission is fed
+all the same, and chains keep measuring the drafter as it is on traffic that changes.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ FIRST = 3  # measurements of every candidate at a bucket before the policy choos
 LOSING = 0.5  # a candidate predicted below this fraction of the best one's is not measured FIRST times
 DECAY = 0.9  # weight of the acceptance counters before a drafting segment's
 EXPLORE_SHARE = 0.02  # time share re-measuring a candidate predicted as fast as the chosen one (less if slower)
+FEED = 0.8  # rows are fed the drafter at prefill unless every chain is predicted below this fraction of plain's
+FEED_EVERY = 8  # ... and then every FEED_EVERY-th admission all the same
 
 
 class DraftPolicy:
@@ -54,6 +62,8 @@ class DraftPolicy:
         self._idle: dict[tuple[DraftShape, int], float] = {}  # seconds of a bucket's segments since the shape ran
         self._last: Counters | None = None
         self.predicted: float | None = None  # tokens/s predicted for the last chosen segment (None: not yet timed)
+        self._expected: dict[int, float] = {}  # draft depth -> E under the current counters (until they change)
+        self._unfed = 0  # admissions not fed the drafter in a row
 
     def acceptance(self) -> np.ndarray:
         """The decayed a_j per draft position (NaN where never reached)."""
@@ -65,7 +75,9 @@ class DraftPolicy:
         t = self.cycle_seconds.get((shape, rows))
         if t is None:
             return None
-        return generating * expected_tokens(self.acceptance(), shape.num_steps) / t
+        if shape.num_steps not in self._expected:  # once per depth between observations (the scheduler's per step)
+            self._expected[shape.num_steps] = expected_tokens(self.acceptance(), shape.num_steps)
+        return generating * self._expected[shape.num_steps] / t
 
     def choose(self, rows: int, generating: int) -> DraftShape:
         """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating."""
@@ -84,6 +96,33 @@ class DraftPolicy:
                     break
         self.predicted = self.predict(shape, rows, generating)
         return shape
+
+    def feeds_drafter(self) -> bool:
+        """Whether a row admitted now is fed the drafter at prefill: not when every chain is predicted below FEED x
+        plain decoding at every row bucket where both were timed, unless the last FEED_EVERY - 1 admissions
+        (`admitted`) were not fed either."""
+        return self._drafter_pays() or self._unfed >= FEED_EVERY - 1
+
+    def admitted(self, fed: bool) -> None:
+        """A row was admitted, fed the drafter at prefill or not."""
+        self._unfed = 0 if fed else self._unfed + 1
+
+    def _drafter_pays(self) -> bool:
+        """Some chain predicted at FEED x plain decoding's throughput or more at some bucket where both were timed,
+        or no such bucket yet."""
+        plain = [s for s in self.shapes if s.plain]
+        chains = [s for s in self.shapes if not s.plain]
+        if not plain or not chains:
+            return True
+        compared = False
+        for rows in sorted({rows for _, rows in self.cycle_seconds}):
+            base, drafted = self.predict(plain[0], rows, 1), [self.predict(s, rows, 1) for s in chains]
+            if base is None or None in drafted:
+                continue
+            if max(drafted) >= FEED * base:
+                return True
+            compared = True
+        return not compared
 
     def observe(self, segment: Segment, counters: Counters, seconds: float | None) -> None:
         """What a segment of the last plan took: its wall `seconds` (None: it ran prefill chunks too, so its time is
@@ -105,6 +144,7 @@ class DraftPolicy:
         if reached.any():
             self.reached = DECAY * self.reached + reached
             self.accepted = DECAY * self.accepted + np.asarray(delta.accepted[: self.depth], np.float64)
+            self._expected.clear()
 
 
 def measured_tokens_per_second(delta: Counters, seconds: float) -> float:

@@ -9,10 +9,13 @@ Prefix caching (vLLM's automatic prefix caching, with EAGLE's shift): a full blo
 chain, its parent block's key, its tokens and the token AFTER it. The target's cache entry at position p depends on
 tokens 0..p, but the drafter's depends on token p + 1 too (it pairs the target state of p with the next token), so a
 block's drafter entries are reusable only when the next token matches as well (sglang-jax keys EAGLE on bigrams for
-the same reason). A block is registered once its prefill chunk is planned and is never written again: every write
-of a row lies at or past its prompt's last position (prefill chunks start past the reused prefix; a cycle writes from
-the row's length on; a tree's compaction moves entries past the length only). Blocks no row references stay cached
-and are evicted least-recently-used when a row needs a block and none is free.
+the same reason). A block registered by a row the drafter was not fed (`PrefillChunk.drafter`: adaptive serving where
+speculation does not pay) holds the target's entries only: a row that is fed the drafter does not reuse it, and
+registering the same key with the drafter's entries replaces it. A block is registered once its prefill chunk is
+planned and is never written again: every write of a row lies at or past its prompt's last position (prefill chunks
+start past the reused prefix; a cycle writes from the row's length on; a tree's compaction moves entries past the
+length only). Blocks no row references stay cached and are evicted least-recently-used when a row needs a block and
+none is free.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class BlockPool:
         self._index: dict[bytes, int] = {}  # key -> cached block
         self._key_of: dict[int, bytes] = {}  # cached block -> its key
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced cached, oldest first
+        self._target_only: set[int] = set()  # cached blocks without the drafter's entries
 
     @property
     def available(self) -> int:
@@ -65,12 +69,13 @@ class BlockPool:
         """Blocks registered in the prefix index (held or not)."""
         return len(self._index)
 
-    def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """The cached blocks of the longest prefix of `keys` (no reference taken)."""
+    def lookup(self, keys: Sequence[bytes], drafter: bool = False) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (no reference taken); with `drafter`, of blocks that
+        hold the drafter's entries too."""
         blocks = []
         for key in keys:
             block = self._index.get(key)
-            if block is None:
+            if block is None or (drafter and block in self._target_only):
                 break
             blocks.append(block)
         return blocks
@@ -102,12 +107,29 @@ class BlockPool:
             else:
                 self._free.append(block)
 
-    def register(self, block: int, key: bytes) -> None:
-        """`block` (held) holds the full block keyed `key` from now on; a key already cached keeps its block."""
+    def register(self, block: int, key: bytes, drafter: bool = True) -> None:
+        """`block` (held) holds the full block keyed `key` from now on (the target's entries, and with `drafter` the
+        drafter's); a key already cached keeps its block, unless that one lacks the drafter's entries and this one
+        has them."""
         if block not in self._refs:
             raise ValueError(f"BlockPool.register: block {block} is not held")
-        if key not in self._index and block not in self._key_of:
-            self._index[key], self._key_of[block] = block, key
+        if block in self._key_of:
+            return
+        cached = self._index.get(key)
+        if cached is not None and drafter and cached in self._target_only:
+            self._forget(cached)
+        elif cached is not None:
+            return
+        self._index[key], self._key_of[block] = block, key
+        if not drafter:
+            self._target_only.add(block)
+
+    def _forget(self, block: int) -> None:
+        """`block` is no longer cached: free when no row holds it."""
+        del self._index[self._key_of.pop(block)]
+        self._target_only.discard(block)
+        if self._lru.pop(block, False) is None:
+            self._free.append(block)
 
     def clear(self) -> None:
         """Forget every cached block (the pool's arrays were reset); held blocks stay held."""
@@ -116,6 +138,7 @@ class BlockPool:
         self._lru.clear()
         self._index.clear()
         self._key_of.clear()
+        self._target_only.clear()
 
     def _allocate(self) -> int:
         if self._free:
@@ -123,6 +146,7 @@ class BlockPool:
         else:
             block, _ = self._lru.popitem(last=False)
             del self._index[self._key_of.pop(block)]
+            self._target_only.discard(block)
         self._refs[block] = 1
         return block
 
@@ -140,25 +164,30 @@ class BlockTables:
         self.blocks: dict[int, list[int]] = {}  # row -> its blocks, position order
         self._keys: dict[int, list[bytes]] = {}  # row -> keys of its prompt's full blocks (next token in the prompt)
         self._registered: dict[int, int] = {}  # row -> its blocks registered (or reused) so far
+        self._drafter: dict[int, bool] = {}  # row -> its prefill writes the drafter's entries
         self._changed: dict[int, None] = {}
         self.queries = self.hits = 0  # prompt tokens looked up, and found cached
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.pool.block_size)
 
-    def admit(self, row: int, prompt: Sequence[int], need: int, lookup: bool = True) -> int | None:
-        """Give `row` blocks for `need` positions, its longest cached prefix first (with `lookup`); returns how many
+    def admit(
+        self, row: int, prompt: Sequence[int], need: int, lookup: bool = True, drafter: bool = True
+    ) -> int | None:
+        """Give `row` blocks for `need` positions, its longest cached prefix first (with `lookup`; with `drafter`,
+        the row's prefill writes the drafter's entries, and it reuses only blocks that hold them); returns how many
         prompt positions it reuses (a multiple of the prefill chunk, at most len(prompt) - 1: the last prompt
         position is always prefilled, for the first token), or None when the pool cannot hold it yet."""
         bs = self.pool.block_size
         keys = chain_keys(prompt, bs, (len(prompt) - 1) // bs) if self.caching else []
-        hit = self.pool.lookup(keys) if lookup else []
+        hit = self.pool.lookup(keys, drafter) if lookup else []
         per_chunk = self.prefill_chunk // bs
         hit = hit[: len(hit) // per_chunk * per_chunk]  # prefill restarts on a chunk edge, as the cold run chunks
         blocks = self.pool.take(hit, max(self.blocks_for(need) - len(hit), 0))
         if blocks is None:
             return None
         self.blocks[row], self._keys[row], self._registered[row] = blocks, keys, len(hit)
+        self._drafter[row] = drafter
         self._changed[row] = None
         if lookup and self.caching:
             self.queries += len(prompt)
@@ -182,13 +211,13 @@ class BlockTables:
         keys, done = self._keys[row], self._registered[row]
         full = min(end // self.pool.block_size, len(keys))
         for k in range(done, full):
-            self.pool.register(self.blocks[row][k], keys[k])
+            self.pool.register(self.blocks[row][k], keys[k], self._drafter[row])
         self._registered[row] = max(done, full)
 
     def release(self, row: int) -> None:
         """`row` left: its blocks go back to the pool (cached ones stay cached) and its table empties."""
         self.pool.release(self.blocks.pop(row))
-        del self._keys[row], self._registered[row]
+        del self._keys[row], self._registered[row], self._drafter[row]
         self._changed[row] = None
 
     def changes(self) -> tuple[tuple[int, tuple[int, ...]], ...]:

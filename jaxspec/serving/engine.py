@@ -239,6 +239,9 @@ class Engine:
         """One step: schedule, execute, update. Returns False when there was nothing to do."""
         plan = self.scheduler.schedule()
         result = self._run(plan)
+        if self.metrics is not None:
+            for chunk in plan.prefill:
+                self.metrics.prefill_chunks.labels("fed" if chunk.drafter else "not fed").inc()
         self._observe(self.scheduler.update(result))
         if result.counters is not None:
             self._observe_counters(result.counters, plan.segment, result.segment_seconds)

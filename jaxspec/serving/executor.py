@@ -148,12 +148,12 @@ class Executor:
 
     def _run_program(self, prefill, program: LoopConfig | None = None, window=None, fix=False, cycles=0) -> None:
         """`_prefill_and_run`: the `prefill` chunks, then (with a `program`) `cycles` cycles over `window`."""
-        chunks_N2 = np.zeros((self.max_batch, 2), np.int32)  # (row, start) of each chunk; padding never runs
-        chunks_N2[: len(prefill)] = np.reshape([(c.row, c.start) for c in prefill], (-1, 2))
+        chunks_N3 = np.zeros((self.max_batch, 3), np.int32)  # (row, start, drafter) of each; padding never runs
+        chunks_N3[: len(prefill)] = np.reshape([(c.row, c.start, c.drafter) for c in prefill], (-1, 3))
         programs = self.loop, self.per_row, program, window
         runs = np.int32(len(prefill)), np.bool_(fix), np.int32(cycles)
         self.state, self.pool = _prefill_and_run(
-            *programs, self._params(), self.state, self.pool, self._tables, chunks_N2, *runs
+            *programs, self._params(), self.state, self.pool, self._tables, chunks_N3, *runs
         )
 
     def counters(self) -> Counters:
@@ -243,22 +243,27 @@ def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
-def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks_N2, count, fix, cycles):
-    """One segment's program: the prefill chunks `chunks_N2[:count]` ((row, start) each, in order; the loop's
-    `prefill_slot` under config `prefill`, each row gathered over every position), then `cycles` cycles of `cfg`
-    over the window (rows, positions, with the drafter's cache or not: a plain segment leaves it as it is) from row
-    0 (`cfg` None: the chunks alone, in a step with no generating row). Nothing of the state or the pool is copied
-    out and in between programs. A chunk that ends a prompt activates its row before the cycles, as a separate
-    prefill program before the segment did; without chunks the loop over them runs no iteration.
+def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks_N3, count, fix, cycles):
+    """One segment's program: the prefill chunks `chunks_N3[:count]` ((row, start, drafter) each, in order; the
+    loop's `prefill_slot` under config `prefill`, each row gathered over every position; on a state with a lazy
+    drafter, the drafter runs over the chunk or, with `drafter` 0, over the prompt's last position only), then
+    `cycles` cycles of `cfg` over the window (rows, positions, with the drafter's cache or not: a plain segment
+    leaves it as it is) from row 0 (`cfg` None: the chunks alone, in a step with no generating row). Nothing of the
+    state or the pool is copied out and in between programs. A chunk that ends a prompt activates its row before the
+    cycles, as a separate prefill program before the segment did; without chunks the loop over them runs no
+    iteration.
 
     The target states plain cycles keep for the drafter (`aux_BSI`, [B, S, 3 x hidden]) go through only where they
-    are written: chunks neither read nor write them, and a chain segment only reads them (its catch-up), so neither
-    puts them back (XLA copied the whole buffer twice per program when they went through the loop and the put)."""
+    are written: chunks neither read nor write them, a chain segment only reads them (its catch-up), so neither puts
+    them back (XLA copied the whole buffer twice per program when they went through the loop and the put), and plain
+    cycles write them in place (`_plain_segment`)."""
 
     def chunk(i, carry):
         state, pool = carry
-        row, start = chunks_N2[i, 0], chunks_N2[i, 1]
-        part = loop.prefill_slot(prefill, *params, _gather(state, pool, tables, row, 1, None), jnp.int32(0), start)
+        row, start = chunks_N3[i, 0], chunks_N3[i, 1]
+        feed = chunks_N3[i, 2] > 0 if state.drafted_B is not None else None  # a fixed shape always feeds it
+        part = _gather(state, pool, tables, row, 1, None)
+        part = loop.prefill_slot(prefill, *params, part, jnp.int32(0), start, feed)
         return _scatter(state, pool, tables, part, row)
 
     kept = state.aux_BSI
@@ -268,11 +273,31 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         return state, pool
     if cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it would have left them
         state = jax.lax.cond(fix, _fix_greedy_q, lambda s: s, state)
+    if kept is not None and not cfg.num_steps:
+        return _plain_segment(loop, cfg, window, params, state, pool, tables, cycles)
     part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
-    if kept is None or not cfg.num_steps:  # plain cycles write the states they keep
+    if kept is None:
         return _scatter(state, pool, tables, part, jnp.int32(0))
     state, pool = _scatter(state.replace(aux_BSI=None), pool, tables, part.replace(aux_BSI=None), jnp.int32(0))
-    return state.replace(aux_BSI=kept), pool
+    return state.replace(aux_BSI=kept), pool  # a chain segment only reads the kept states (its catch-up)
+
+
+# What plain cycles on a state with a lazy drafter neither read nor write (the drafter's current draft and the
+# position it has reached: a chain segment's catch-up brings them up to date).
+_DRAFTER_ONLY = ("draft_B", "draft_q_BV", "hidden_BD", "drafted_B")
+
+
+def _plain_segment(loop, cfg, window, params, state, pool, tables, cycles):
+    """Plain cycles over the window on a state with a lazy drafter: the drafter's fields stay out of the window
+    (nothing to slice and put back), and the target states the cycles keep are written in place into the whole
+    `aux_BSI` (the window's rows are the state's first rows), not into a window of it put back after (the window's
+    slice and put took 3% of a 1-row plain segment of the bundled pair on the CPU)."""
+    aside = {name: getattr(state, name) for name in (*_DRAFTER_ONLY, "aux_BSI")}
+    state = state.replace(**dict.fromkeys(aside))
+    part = _gather(state, pool, tables, jnp.int32(0), *window).replace(aux_BSI=aside["aux_BSI"])
+    part = loop.run(cfg, *params, part, cycles)
+    state, pool = _scatter(state, pool, tables, part.replace(aux_BSI=None), jnp.int32(0))
+    return state.replace(**aside | {"aux_BSI": part.aux_BSI}), pool
 
 
 def _spec(x: jax.Array) -> tuple:

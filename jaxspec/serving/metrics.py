@@ -18,6 +18,9 @@ What they mean (also in the README's "Serving" section):
   `--num-steps auto` the shape changes per segment); `jaxspec_segment_predicted_tokens_per_second` and
   `jaxspec_segment_measured_tokens_per_second`: the last segment's throughput as the scheduler's cost model predicted
   it when choosing the shape (absent until that shape was timed at that batch bucket) and as it ran.
+- `jaxspec_prefill_chunks_total{drafter}`: prompt chunks prefilled, `fed` the drafter too or `not fed` (with
+  `--num-steps auto`, rows admitted while speculation does not pay: the drafter runs over the prompt's last position
+  only).
 - The cache pool (as vLLM's `kv_cache_usage_perc`, `num_preemptions`, `prefix_cache_queries` / `_hits`):
   `jaxspec_kv_cache_usage_perc`: the fraction of the pool's blocks rows hold (of `jaxspec_kv_cache_blocks`);
   `jaxspec_num_preemptions_total`: rows preempted because the pool ran out (resumed later by recompute);
@@ -82,6 +85,12 @@ class Metrics:
             "jaxspec_segment_predicted_tokens_per_second", "The last segment's predicted tokens/s", registry=r
         )
         self.measured = Gauge("jaxspec_segment_measured_tokens_per_second", "The last segment's tokens/s", registry=r)
+        self.prefill_chunks = Counter(
+            "jaxspec_prefill_chunks",
+            "Prompt chunks prefilled, by whether the drafter ran over them",
+            ["drafter"],
+            registry=r,
+        )
         Gauge("jaxspec_kv_cache_blocks", "Blocks of the cache pool", registry=r).set(pool_blocks)
         self.kv_cache_usage = Gauge("jaxspec_kv_cache_usage_perc", "Fraction of the pool's blocks held", registry=r)
         self.preemptions = Counter("jaxspec_num_preemptions", "Rows preempted: the cache pool ran out", registry=r)

@@ -102,8 +102,18 @@ class RowPosition:
         _int(type(self).__name__, "start", self.start, 0)
 
 
+@dataclasses.dataclass(frozen=True)
 class PrefillChunk(RowPosition):
-    """One prefill chunk of a row's prompt, from position `start` (a multiple of the prefill chunk)."""
+    """One prefill chunk of a row's prompt, from position `start` (a multiple of the prefill chunk). `drafter`: the
+    drafter runs over the chunk too (False: over the prompt's last position only, for an adaptive engine's row
+    admitted where speculation does not pay; a fixed-shape engine always runs it)."""
+
+    drafter: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.drafter, bool):
+            raise ValueError(f"PrefillChunk.drafter: expected a bool, got {self.drafter!r}")
 
 
 @dataclasses.dataclass(frozen=True)

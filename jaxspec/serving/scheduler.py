@@ -92,6 +92,7 @@ class Slot:
     next_chunk: int | None  # start of the next prefill chunk; None once prefill is done (the row is generating)
     order: int = 0  # admission order: the newest row is preempted first
     prompt_len: int = 0  # the row's prompt: the request's, and a resumed one's tokens but the last
+    drafter: bool = True  # its prefill runs the drafter over the prompt (the policy's call at admission)
 
 
 class Scheduler:
@@ -290,11 +291,13 @@ class Scheduler:
             have = len(request.tokens) - len(given)
             prompt = (*request.prompt, *request.tokens[:have])
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
-            cached = self.tables.admit(row, prompt, self._reach(request), lookup=not request.echo)
+            drafter = self.policy.feeds_drafter()
+            cached = self.tables.admit(row, prompt, self._reach(request), lookup=not request.echo, drafter=drafter)
             if cached is None:
                 break
             with self._lock:
                 self._queue.popleft()
+            self.policy.admitted(drafter)
             if not given:
                 request.cached_tokens = cached
             if request.seed is None:
@@ -304,7 +307,7 @@ class Scheduler:
             row_init = (request.sampling, stop_ids, request.seed, scored, min_new, request.ignore_eos, cached)
             admitted.append(RowAdmission(row, prompt, budget, *row_init, first=given[0] if given else None))
             request.slot = row
-            self.slots[row] = Slot(request, cached, next(self._admissions), len(prompt))
+            self.slots[row] = Slot(request, cached, next(self._admissions), len(prompt), drafter)
         return tuple(admitted)
 
     def _reach(self, request: Request) -> int:
@@ -341,7 +344,7 @@ class Scheduler:
         start = slot.next_chunk
         slot.next_chunk = None if slot.prompt_len - 1 < start + C else start + C
         self.tables.prefilled(row, start + C)
-        return PrefillChunk(row, start)
+        return PrefillChunk(row, start, slot.drafter)
 
     def _segment(self, rows: int, generating: int) -> Segment:
         """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, drafting the

@@ -12,7 +12,7 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.serving.adaptive import EXPLORE_SHARE, FIRST, LOSING, DraftPolicy
+from jaxspec.serving.adaptive import EXPLORE_SHARE, FEED, FEED_EVERY, FIRST, LOSING, DraftPolicy
 from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor, _gather, _prefill_and_run
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
@@ -38,6 +38,14 @@ class Scripted:
 
     def observe(self, segment, counters, seconds):
         pass
+
+    def feeds_drafter(self):
+        return self.feed
+
+    def admitted(self, fed):
+        pass
+
+    feed = True
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +155,38 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
     assert request.finish_reason in ("stop", "length")
 
 
+def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(engine, prompts, reference):
+    """Rows admitted where speculation does not pay (`DraftPolicy.feeds_drafter` False) run the drafter over their
+    prompt's last position only: its cache at the prompt's first position keeps what the pool held there, the first
+    draft and its distribution q come from the drafter (the draft has positive mass under q: lossless speculative
+    sampling needs nothing more), and chains on such rows give the greedy reference, alone and next to a fed row."""
+    requests = [Request(prompts[5], 14), Request(prompts[6], 10, Sampling(0.8), seed=4)]
+    expected = reference(requests[0].prompt, 14)
+    engine.scheduler.policy = Scripted((CHAIN, PLAIN))
+    engine.scheduler.policy.feed = False
+    x = engine.executor
+    before = jax.tree.map(np.asarray, x.pool.drafter)
+    for r in requests:
+        engine.submit(r)
+    while any(r.slot is None or engine.scheduler.slots[r.slot].next_chunk is not None for r in requests):
+        engine.step()
+    state = x.state
+    for r in requests:
+        row, n = r.slot, len(r.prompt)
+        assert n <= int(state.drafted_B[row]) <= int(state.length_B[row])  # the drafter is at the prompt's end or on
+        q = np.asarray(state.draft_q_BV[row])
+        assert q.sum() == pytest.approx(1.0, abs=1e-4) and q[int(state.draft_B[row])] > 0
+        first = int(x.tables[row, 0])  # the block of the prompt's first position
+        for now, then in zip(jax.tree.leaves(x.pool.drafter), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(np.asarray(now[first, 0]), then[first, 0])
+    engine.scheduler.policy.feed = True
+    fed = Request(prompts[0], 12)
+    engine.submit(fed)
+    engine.run_until_idle()
+    assert requests[0].tokens == expected and fed.tokens == reference(fed.prompt, 12)
+    assert all(r.finish_reason in ("stop", "length") for r in requests)
+
+
 def test_programs_do_not_copy_the_kept_target_states(engine):
     """The target states plain cycles keep (`aux_BSI`, [B, S, 3 x hidden]: 352 MB for Kimi at 8 slots x 1024
     positions) stay in place: a chain segment's program, which only reads them after prefill chunks that do not
@@ -227,3 +267,25 @@ def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time(ac
     assert 0 < explored and explored_time <= EXPLORE_SHARE * x * 1.1 * plain_time
     lost = explored_time * (1 - x) / (plain_time + explored_time)
     assert lost <= EXPLORE_SHARE / 4
+
+
+@pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 2.0), (1, 2.2), (0, 1.1), (1, 2.6)])
+def test_rows_are_fed_the_drafter_unless_every_chain_is_predicted_below_feed_x_plain(accepted, chain_cost):
+    """A row is fed the drafter at prefill until both shapes are timed at some bucket; then unless the chain is
+    predicted below FEED x plain decoding at every bucket where both are timed (then every FEED_EVERY-th admission
+    all the same; one bucket where it is not below: fed again)."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    loop.run(policy, PLAIN, 0.01, accepted)
+    assert policy.feeds_drafter()
+    loop.run(policy, CHAIN, 0.01 * chain_cost, accepted)
+    pays = (1 + accepted) / chain_cost >= FEED
+    fed = []
+    for _ in range(2 * FEED_EVERY):
+        assert policy.feeds_drafter() == policy.feeds_drafter()  # asking admits nothing
+        fed.append(policy.feeds_drafter())
+        policy.admitted(fed[-1])
+    assert fed == [True] * len(fed) if pays else fed == ([False] * (FEED_EVERY - 1) + [True]) * 2
+    loop.run(policy, PLAIN, 0.01, accepted, rows=1)
+    loop.run(policy, CHAIN, 0.0105, accepted, rows=1)  # a bucket where the chain is within 5% of plain
+    assert policy.feeds_drafter()
+    assert DraftPolicy((CHAIN,), cycles=4).feeds_drafter() and DraftPolicy((PLAIN,), cycles=4).feeds_drafter()

@@ -39,6 +39,26 @@ def test_allocator_counts_references_and_evicts_the_least_recently_used_cached_b
         BlockPool(0, 2)
 
 
+def test_blocks_without_the_drafters_entries_serve_only_rows_the_drafter_is_not_fed():
+    """A block registered by a row the drafter was not fed holds the target's entries only: a fed row's lookup stops
+    there (and prefills it itself), a row not fed reuses it, and the fed row's block replaces it under the key."""
+    tables = BlockTables(BlockPool(16, 4), prefill_chunk=4)
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks with their next token
+    assert tables.admit(0, prompt, 16, drafter=False) == 0
+    tables.prefilled(0, 12)
+    target_only = tables.blocks[0][:3]
+    assert tables.admit(1, prompt, 16, drafter=False) == 12 and tables.blocks[1][:3] == target_only
+    assert tables.admit(2, prompt, 16) == 0  # fed: the target-only blocks are no prefix for it
+    tables.prefilled(2, 12)
+    full = tables.blocks[2][:3]
+    assert set(full).isdisjoint(target_only)
+    assert tables.admit(3, prompt, 16) == 12 and tables.blocks[3][:3] == full
+    assert tables.admit(4, prompt, 16, drafter=False) == 12 and tables.blocks[4][:3] == full
+    for row in (0, 1):
+        tables.release(row)  # the replaced blocks are free again, not cached
+    assert tables.pool.cached == 3 and tables.pool.available == 16 - tables.pool.used
+
+
 def test_a_blocks_key_covers_its_chain_and_the_token_after_it():
     ids = list(range(1, 20))
     keys = chain_keys(ids, 4, 4)

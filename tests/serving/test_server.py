@@ -229,6 +229,8 @@ def test_full_queue_answers_429_and_the_rest_complete(client, server, pair, refe
     assert metric(base, "jaxspec_segments_total", f'{{draft="k={NUM_STEPS}"}}') > 0
     assert metric(base, "jaxspec_segment_predicted_tokens_per_second") > 0
     assert metric(base, "jaxspec_segment_measured_tokens_per_second") > 0
+    # A fixed chain feeds the drafter every prompt chunk.
+    assert metric(base, "jaxspec_prefill_chunks_total", '{drafter="fed"}') > 0
 
 
 def _both_modes(client, chat: bool, **kw) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
