@@ -142,7 +142,7 @@ class SpecLoop:
         the row later. A chunk without the row's last position writes one entry of no use (the row's own, past any
         cached prefix: a prompt's registered blocks end before its last position)."""
         tokens_BT, aux_BTI, pos_BT, row_B = chunk
-        whole = lambda: draft_extend(self.drafter, dparams, *chunk[:3], cache, row_B, key, sampling)
+        whole = lambda: draft_extend(self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling)
         if feed is None:
             return whole()
         at = lambda x: jnp.take_along_axis(x, row_B.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)

@@ -115,7 +115,7 @@ class DraftPolicy:
         if not plain or not chains:
             return True
         compared = False
-        for rows in sorted({rows for _, rows in self.cycle_seconds}):
+        for rows in {rows for _, rows in self.cycle_seconds}:
             base, drafted = self.predict(plain[0], rows, 1), [self.predict(s, rows, 1) for s in chains]
             if base is None or None in drafted:
                 continue

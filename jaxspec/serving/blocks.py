@@ -113,13 +113,11 @@ class BlockPool:
         has them."""
         if block not in self._refs:
             raise ValueError(f"BlockPool.register: block {block} is not held")
-        if block in self._key_of:
-            return
         cached = self._index.get(key)
-        if cached is not None and drafter and cached in self._target_only:
-            self._forget(cached)
-        elif cached is not None:
+        if block in self._key_of or (cached is not None and not (drafter and cached in self._target_only)):
             return
+        if cached is not None:
+            self._forget(cached)
         self._index[key], self._key_of[block] = block, key
         if not drafter:
             self._target_only.add(block)
@@ -128,7 +126,8 @@ class BlockPool:
         """`block` is no longer cached: free when no row holds it."""
         del self._index[self._key_of.pop(block)]
         self._target_only.discard(block)
-        if self._lru.pop(block, False) is None:
+        if block in self._lru:  # no row holds it
+            del self._lru[block]
             self._free.append(block)
 
     def clear(self) -> None:

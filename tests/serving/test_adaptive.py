@@ -190,15 +190,18 @@ def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(
 def test_programs_do_not_copy_the_kept_target_states(engine):
     """The target states plain cycles keep (`aux_BSI`, [B, S, 3 x hidden]: 352 MB for Kimi at 8 slots x 1024
     positions) stay in place: a chain segment's program, which only reads them after prefill chunks that do not
-    touch them, compiles without a copy of the buffer (XLA copied it twice per chain segment when they went through
-    the chunks' loop and the window's put). One row of the two, as a bucket smaller than the slots."""
+    touch them, and a plain segment's, which writes them into the whole buffer, compile without a copy of it (XLA
+    copied it twice per chain segment when they went through the chunks' loop and the window's put). One row of the
+    two, as a bucket smaller than the slots."""
     x, c = engine.executor, engine.config
     shape = ",".join(map(str, x.state.aux_BSI.shape))
-    args = x.loop, x.per_row, x.programs[CHAIN][0], (1, c.max_context, True), x._params(), x.state, x.pool
-    runs = np.zeros((c.max_batch, 2), np.int32), np.int32(0), np.bool_(False), np.int32(c.segment_cycles)
-    hlo = _prefill_and_run.lower(*args, x._tables, *runs).compile().as_text()
-    copies = re.findall(rf"\w+\[{shape}\]\S* copy\(", hlo)
-    assert not copies, f"the chain segment's program copies aux_BSI: {copies}"
+    runs = np.zeros((c.max_batch, 3), np.int32), np.int32(0), np.bool_(False), np.int32(c.segment_cycles)
+    for draft in (CHAIN, PLAIN):
+        window = (1, c.max_context, not draft.plain)
+        args = x.loop, x.per_row, x.programs[draft][0], window, x._params(), x.state, x.pool, x._tables
+        hlo = _prefill_and_run.lower(*args, *runs).compile().as_text()
+        copies = re.findall(rf"\w+\[{shape}\]\S* copy\(", hlo)
+        assert not copies, f"the {draft.label} segment's program copies aux_BSI: {copies}"
 
 
 def row_draft_cache(executor: Executor, row: int):
