@@ -20,7 +20,14 @@ from jaxspec.decoding.draft_shape import DraftShape
 DTYPES = ("bfloat16", "float32")
 MODEL_HELP = "HF-layout checkpoint directory (config.json + safetensors)"
 MESH_HELP = "mesh shape DATAxMODEL, e.g. 1x8 (default: all devices on MODEL)"
-DTYPE_HELP = "compute dtype (default: bfloat16; float32 for the bundled pair, which CPUs run faster in float32)"
+DTYPE_HELP = (
+    "compute dtype (default: for a checkpoint, float32 on CPU, which computes it faster than bfloat16, else the "
+    "checkpoint's own (bfloat16 when it is neither); for a --preset, bfloat16)"
+)
+DTYPE_DEFAULT_HELP = (
+    "compute dtype (default: float32 on CPU, which computes it faster than bfloat16, else the checkpoint's own, "
+    "bfloat16 when it is neither; the start-up log states which and why)"
+)
 
 
 class UsageError(SystemExit):
@@ -246,16 +253,38 @@ def recommended_shape(path: Path) -> DraftShape:
 
 # ----------------------------------------------------------------------------------------------- target, drafter
 def use_bundled_pair(args: argparse.Namespace) -> bool:
-    """With neither --model nor --preset, point the arguments at the bundled trained pair (target, drafter, float32
-    unless --dtype says otherwise) and return True; otherwise leave them alone and return False."""
+    """With neither --model nor --preset, point the arguments at the bundled trained pair (target, drafter) and
+    return True; otherwise leave them alone and return False. Its compute dtype is any checkpoint's
+    (`default_dtype`)."""
     if args.model or getattr(args, "preset", None):
         return False
     from jaxspec import bundled
 
     target_dir, drafter_dir = bundled.paths()
     args.model, args.drafter = str(target_dir), args.drafter or str(drafter_dir)
-    args.dtype = args.dtype or "float32"
     return True
+
+
+def default_dtype(requested: str | None, model: str | Path | None, platform: str) -> tuple[Any, str]:
+    """(compute dtype, why) for a checkpoint at `model` run on `platform`: --dtype when given; else float32 on CPU
+    (CPUs compute it faster than bfloat16, and bfloat16's rounding can turn a near-tie between two logits into a
+    different greedy token, so plain and speculative texts of one checkpoint could differ); else the checkpoint's
+    own dtype (config.json's `torch_dtype` or `dtype`) when it is one of DTYPES, and bfloat16 when it is not. The
+    same however the path is spelled: the bundled pair is a checkpoint like any other."""
+    import jax.numpy as jnp
+
+    if requested:
+        return jnp.dtype(requested), "--dtype"
+    if platform == "cpu":
+        return jnp.dtype("float32"), "the default on CPU, which computes float32 faster than bfloat16"
+    config = Path(model) / "config.json" if model else None
+    saved = None
+    if config is not None and config.is_file():
+        fields = json.loads(config.read_text())
+        saved = fields.get("torch_dtype") or fields.get("dtype")
+    if saved in DTYPES:
+        return jnp.dtype(saved), f"the checkpoint's dtype on {platform}"
+    return jnp.dtype("bfloat16"), f"the default on {platform} (the checkpoint's dtype: {saved or 'not stated'})"
 
 
 def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = None) -> tuple[Any, str]:
@@ -263,6 +292,7 @@ def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = Non
     weights; `abstract`: shapes only (nothing allocated). `devices`: what the mesh (and --devices) draws from
     (default: all of JAX's), e.g. a TPU slice's compile-only devices. --kv-cache-dtype, where the command has it,
     sets the cache format."""
+    import jax
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target, load_target
@@ -276,9 +306,12 @@ def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = Non
         mesh = make_mesh(args.mesh, devices)
     except ValueError as e:
         raise UsageError(args.command, f"--mesh/--devices: {e}") from None
-    dtype = jnp.dtype(args.dtype or "bfloat16")
     kv = getattr(args, "kv_cache_dtype", "auto")
+    dtype = jnp.dtype(args.dtype or "bfloat16")  # a preset, or a plan: the deployment's dtype
     if args.model:
+        if not abstract:  # a checkpoint to run here
+            platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+            dtype, _ = default_dtype(args.dtype, args.model, platform)
         if abstract:
             cfg = KimiConfig.from_pretrained(args.model)
             return Target.abstract(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model

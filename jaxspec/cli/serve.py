@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from jaxspec.cli.args import (
+    DTYPE_DEFAULT_HELP,
     add_drafter_arg,
     add_dtype_arg,
     add_kv_cache_dtype_arg,
@@ -15,6 +16,7 @@ from jaxspec.cli.args import (
     add_model_arg,
     add_num_steps_args,
     add_tree_args,
+    default_dtype,
     draft_shape,
     recommended_shape,
     use_bundled_pair,
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="auto: Kimi's chat template when the vocabulary has its tokens, else plain 'role: content' lines",
     )
     add_mesh_arg(p, "mesh shape 1xMODEL (default: one device)")
-    add_dtype_arg(p, help="(default: float32 for the bundled pair, else bfloat16)")
+    add_dtype_arg(p, help=DTYPE_DEFAULT_HELP)
     add_kv_cache_dtype_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -134,13 +136,13 @@ def _num_steps(args, bundled: bool) -> tuple[int, bool]:
 def run(args: argparse.Namespace) -> int:
     """Load the pair, compile the engine (warm-up), then serve until interrupted."""
     import jax
-    import jax.numpy as jnp
     import uvicorn
 
     from jaxspec.io import load_drafter, load_target
     from jaxspec.serving.app import create_app
     from jaxspec.serving.engine import Engine
     from jaxspec.serving.metrics import Metrics
+    from jaxspec.serving.startup import MapBudget, Programs, StartupError
     from jaxspec.tokenizer import load_tokenizer
     from sharding.mesh import make_mesh
 
@@ -156,9 +158,16 @@ def run(args: argparse.Namespace) -> int:
     if num_steps and not args.drafter:
         raise SystemExit("jaxspec serve: --num-steps > 0 needs --drafter (or --num-steps 0)")
     config = _engine_config(args, num_steps, adaptive)
-    dtype = jnp.dtype(args.dtype or "bfloat16")
-    log.info("loading %s (%s)", args.model, dtype)
     mesh = make_mesh(args.mesh) if args.mesh else None
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    budget = MapBudget.here(platform)
+    try:  # before loading anything: a configuration this process cannot compile is refused at once
+        if budget is not None:
+            budget.check(Programs.of(config))
+    except StartupError as e:
+        raise SystemExit(f"jaxspec serve: {e}") from None
+    dtype, why = default_dtype(args.dtype, args.model, platform)
+    log.info("loading %s (%s: %s)", args.model, dtype.name, why)
     target = load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype)
     drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -177,7 +186,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
     metrics = Metrics(config.draft, config.max_batch, pool_blocks=config.pool_blocks)
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel)
-    engine.warmup(log.info)
+    try:
+        engine.warmup(log.info)
+    except StartupError as e:
+        engine.stop()  # the other processes, if any, stop too
+        raise SystemExit(f"jaxspec serve: {e}") from None
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)
     app = create_app(engine, tokenizer, name, chat_format=args.chat_format)
     drafts = " or ".join(shape.label for shape in config.shapes)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving import fanout
@@ -28,8 +30,9 @@ from jaxspec.serving.adaptive import DraftPolicy, measured_tokens_per_second
 from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import RowAdmission, Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler, StepReport
+from jaxspec.serving.startup import MapBudget, Programs, StartupError, maps_in_use
 
-__all__ = ["Engine", "EngineConfig", "QueueFull", "Request"]
+__all__ = ["Engine", "EngineConfig", "QueueFull", "Request", "StartupError"]
 log = logging.getLogger("jaxspec.serving")
 
 
@@ -64,7 +67,7 @@ class EngineConfig:
     # attention and cache traffic follow the live lengths, not max_context. Each bucket compiles its own segment
     # programs (batch buckets x context buckets x the greedy and per-row programs), so startup takes longer.
     context_buckets: tuple[int, ...] = _setting(
-        (), "comma-separated segment context sizes to compile (default: powers of two from 256 up to --max-context)"
+        (), "comma-separated segment context sizes to compile (default: 256, 1024, 4096, ... up to --max-context)"
     )
     # While every occupied row is greedy, segments run the static-greedy program (argmax head, no per-row warping
     # or sampling); its tokens are the per-row program's for greedy rows. False: always the per-row program.
@@ -102,7 +105,9 @@ class EngineConfig:
     def contexts(self) -> tuple[int, ...]:
         if self.context_buckets:
             return tuple(sorted(set(self.context_buckets) | {self.max_context}))
-        return tuple(sorted({min(256 << i, self.max_context) for i in range(self.max_context.bit_length())}))
+        # Powers of 4, not 2: a bucket saves a segment 7-33% over the one 4x its size with short rows
+        # (benchmarks/results/serve_buckets.md), and every bucket costs start-up time and memory maps (startup.py).
+        return tuple(sorted({min(256 << 2 * i, self.max_context) for i in range(self.max_context.bit_length())}))
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk", "segment_cycles"):
@@ -254,29 +259,36 @@ class Engine:
 
     def warmup(self, on_progress: Callable[[str], None] = log.info) -> float:
         """Compile every program the engine uses (admit, prefill chunk, every segment bucket and program, a prefix
-        hit, free) by serving two dummy requests, one of them cancelled; returns the seconds taken."""
+        hit, free) by serving two dummy requests, one of them cancelled; returns the seconds taken. On XLA:CPU the
+        process's memory maps are checked before and while compiling (startup.py): a configuration that would run
+        out of them raises StartupError before it does, naming what to change."""
         start = time.perf_counter()
         cfg, draft = self.config, self.config.draft
+        programs = Programs.of(cfg)
+        budget = MapBudget.here(self.target.mesh.devices.flat[0].platform)
+        maps = f", about {budget.check(programs):,} memory maps of {budget.usable:,}" if budget else ""
         metrics, self.metrics = self.metrics, None  # the dummy requests are not traffic
         on_progress(
-            f"compiling: {cfg.max_batch} slots x {cfg.max_context} positions, prefill chunk {cfg.prefill_chunk}, "
-            f"drafts {[shape.label for shape in cfg.shapes]}, {cfg.segment_cycles} cycles per segment"
+            f"compiling {programs.describe()}{maps}: {cfg.max_batch} slots x {cfg.max_context} positions, prefill "
+            f"chunk {cfg.prefill_chunk}, {cfg.segment_cycles} cycles per segment, {jax.process_count()} process(es)"
         )
         self.submit(Request([1] * 3, 2 + draft.num_steps, Sampling(1.0), seed=0))
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
-        # Greedy first: the per-row segment after it compiles the fix of greedy rows' draft distributions too.
-        programs = (True, False) if cfg.greedy_program else (False,)
+        before, compiled = maps_in_use(), 0
         for b in cfg.buckets:
             for s in cfg.contexts:
                 for shape in cfg.shapes:
-                    for greedy in programs:
+                    for greedy in programs.programs:
                         # The dummy request finishes in its first cycles; then these run only to compile. A plan of
                         # its own (step 0: not the scheduler's), so the other processes of a server compile them too.
                         self._run(StepPlan(0, segment=Segment(b, s, shape, greedy, cfg.segment_cycles)))
+                        compiled += 1
+                    if budget:  # what the programs so far took, before compiling more
+                        budget.check_projection(programs, compiled, maps_in_use() - before)
             on_progress(
                 f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(cfg.shapes)} drafts x "
-                f"{len(programs)} programs compiled ({time.perf_counter() - start:.1f}s)"
+                f"{len(programs.programs)} programs compiled ({time.perf_counter() - start:.1f}s)"
             )
         self.run_until_idle()
         # A prefix hit's admission: a row admitted as if its first chunk were cached, then freed (every row is free
@@ -289,12 +301,14 @@ class Engine:
         self.step()
         self.cancel(second)
         self.run_until_idle()
-        on_progress(f"  cancel program compiled; warm-up done in {time.perf_counter() - start:.1f}s")
+        seconds = time.perf_counter() - start
+        used = f", {maps_in_use() - budget.start:,} memory maps (limit {budget.limit:,})" if budget else ""
+        on_progress(f"warm-up done: {programs.count} segment programs in {seconds:.1f}s{used}")
         self.metrics = metrics
         self.scheduler.policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
         s = self.scheduler
         self._pool_seen = (s.preemptions, s.tables.queries, s.tables.hits)
-        return time.perf_counter() - start
+        return seconds
 
     # ------------------------------------------------------------------ internals
     def _run(self, plan: StepPlan) -> StepResult:

@@ -30,6 +30,7 @@ from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, PrefillChunk, RowResult, Segment, StepPlan, StepResult
+from jaxspec.serving.startup import CPU_COMPILER_OPTIONS
 from sharding.multihost import put_global, to_host
 
 
@@ -85,6 +86,8 @@ class Executor:
         self._greedy_leaves_q = self.drafter is not None and not draft.tree
         self._q_stale = False
         self.blocks, self.block = pool
+        platform = target.mesh.devices.flat[0].platform
+        self._program = _PROGRAMS.get(platform, _PROGRAMS[None])
         self.reset()
 
     def reset(self) -> None:
@@ -152,7 +155,7 @@ class Executor:
         chunks_N3[: len(prefill)] = np.reshape([(c.row, c.start, c.drafter) for c in prefill], (-1, 3))
         programs = self.loop, self.per_row, program, window
         runs = np.int32(len(prefill)), np.bool_(fix), np.int32(cycles)
-        self.state, self.pool = _prefill_and_run(
+        self.state, self.pool = self._program(
             *programs, self._params(), self.state, self.pool, self._tables, chunks_N3, *runs
         )
 
@@ -242,7 +245,6 @@ def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) 
     return state, CachePool(target, drafter)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
 def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks_N3, count, fix, cycles):
     """One segment's program: the prefill chunks `chunks_N3[:count]` ((row, start, drafter) each, in order; the
     loop's `prefill_slot` under config `prefill`, each row gathered over every position; on a state with a lazy
@@ -280,6 +282,12 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         return _scatter(state, pool, tables, part, jnp.int32(0))
     state, pool = _scatter(state.replace(aux_BSI=None), pool, tables, part.replace(aux_BSI=None), jnp.int32(0))
     return state.replace(aux_BSI=kept), pool  # a chain segment only reads the kept states (its catch-up)
+
+
+# The segment program, as compiled for each backend: on XLA:CPU with the options that hold it in fewer memory maps
+# (startup.py: a server keeps dozens of these programs, and a process's maps are limited).
+_jit_program = functools.partial(jax.jit, _prefill_and_run, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
+_PROGRAMS = {"cpu": _jit_program(compiler_options=CPU_COMPILER_OPTIONS), None: _jit_program()}
 
 
 # What plain cycles on a state with a lazy drafter neither read nor write (the drafter's current draft and the

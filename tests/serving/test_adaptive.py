@@ -14,7 +14,7 @@ from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving.adaptive import EXPLORE_SHARE, FEED, FEED_EVERY, FIRST, LOSING, DraftPolicy
 from jaxspec.serving.engine import Request
-from jaxspec.serving.executor import Executor, _gather, _prefill_and_run
+from jaxspec.serving.executor import Executor, _gather
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
 from tests.serving.conftest import NUM_STEPS, warm_engine
 from tests.serving.test_engine import CONFIG as ENGINE_CONFIG
@@ -199,7 +199,7 @@ def test_programs_do_not_copy_the_kept_target_states(engine):
     for draft in (CHAIN, PLAIN):
         window = (1, c.max_context, not draft.plain)
         args = x.loop, x.per_row, x.programs[draft][0], window, x._params(), x.state, x.pool, x._tables
-        hlo = _prefill_and_run.lower(*args, *runs).compile().as_text()
+        hlo = x._program.lower(*args, *runs).compile().as_text()  # as the executor compiles it
         copies = re.findall(rf"\w+\[{shape}\]\S* copy\(", hlo)
         assert not copies, f"the {draft.label} segment's program copies aux_BSI: {copies}"
 
