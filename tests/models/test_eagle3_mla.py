@@ -263,6 +263,18 @@ def test_eagle31_matches_reference_first_cached_and_ttt_steps(drafter31_ckpt, ta
         assert rel_err(got[j], want[j]) < 1e-4, f"TTT step {j}"
 
 
+def test_eagle31_eight_devices_match_reference(drafter31_ckpt, target8, inputs):
+    """Heads split over 8 devices; the per-state norms (replicated) and the post-norm output as on one device."""
+    path, model = drafter31_ckpt
+    drafter = load_drafter(path, target8, dtype=jnp.float32)
+    assert drafter.split.heads
+    ids, aux = inputs
+    with torch.no_grad():
+        want, out_ref = model(torch.from_numpy(ids), aux, torch.arange(T)[None])
+    got, out, _ = drafter.forward(ids, aux.numpy(), np.arange(T)[None], drafter.init_cache(1, 16), first_step=True)
+    assert rel_err(got, want.numpy()) < 1e-4 and rel_err(out, out_ref.numpy()) < 1e-4
+
+
 def test_eagle31_export_round_trip(drafter31_ckpt, target, tmp_path):
     drafter = load_drafter(drafter31_ckpt[0], target, dtype=jnp.float32)
     save_drafter(drafter, tmp_path / "out", format="mla")
