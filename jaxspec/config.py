@@ -590,6 +590,12 @@ _TINY = KimiConfig(
 
 PRESETS: dict[str, KimiConfig] = {
     "kimi-k2.5": _KIMI_K25,
+    # Kimi-K2.6 (moonshotai/Kimi-K2.6, 2026): the same text model as K2.5 in the same multimodal layout (kimi_k25 with
+    # a kimi_k2 text_config, INT4 routed experts). Its model card states the architecture unchanged (61 layers, 1
+    # dense, hidden 7168, 64 heads, MLA, 384 experts top 8 + 1 shared, expert width 2048, 160K vocabulary, 256K
+    # context, SwiGLU); the checkpoint's config.json itself is not in this project's searchable sources, so the
+    # values are K2.5's and `from_hf_config` reads (and checks) the file whenever a checkpoint is loaded.
+    "kimi-k2.6": _KIMI_K25,
     "deepseek-v3": _DEEPSEEK_V3,
     "moonlight-16b-a3b": _MOONLIGHT,
     "tiny": _TINY,

@@ -70,6 +70,17 @@ def test_k25_nested_layout_equals_preset():
     assert KimiConfig.from_hf_config(K25) == KimiConfig.preset("kimi-k2.5")
 
 
+def test_k26_config_loads_as_the_preset():
+    """Kimi-K2.6's config.json has K2.5's layout and values (its model card: the architecture is unchanged); the
+    `kimi-k2.6` preset is that config."""
+    k26 = json.loads(json.dumps(K25))
+    assert KimiConfig.from_hf_config(k26) == KimiConfig.preset("kimi-k2.6") == KimiConfig.preset("kimi-k2.5")
+    # A field jaxspec cannot honour in a K2.6 config is refused by name, as in K2.5's.
+    k26["text_config"]["attention_bias"] = True
+    with pytest.raises(ConfigError, match=r"attention_bias: only false is supported"):
+        KimiConfig.from_hf_config(k26)
+
+
 def test_flat_k2_layout_with_top_level_quant():
     flat = {k: v for k, v in K25_TEXT.items() if k != "quantization_config"}
     flat |= {

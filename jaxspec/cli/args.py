@@ -58,7 +58,9 @@ def add_target_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None
     """--model, --preset, --mesh, --dtype and (with `devices`) --devices: the target flags of most commands."""
     add_model_arg(p)
     p.add_argument(
-        "--preset", default=None, help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5, deepseek-v3"
+        "--preset",
+        default=None,
+        help="a named config instead of --model: tiny, tiny-dsv3, kimi-k2.5, kimi-k2.6, deepseek-v3",
     )
     add_mesh_arg(p)
     if devices:

@@ -23,8 +23,12 @@ SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 MLA_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "deepseek_v2")
 SPECULATORS_TYPE = "eagle3"
-# Published variant flags this port does not implement (speculators / Eagle 3.1); all default to off.
-UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "tie_word_embeddings")
+# EAGLE 3.1 flags (all default to off; `Eagle3Config` says what each does). A config may set them at its top level,
+# in speculators' `transformer_layer_config` or in `eagle_config` (NVIDIA's checkpoints put norm_before_fc there).
+EAGLE31_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+FLAG_ALIASES = {"use_aux_norm": "fc_norm"}  # the older name of fc_norm (same weights, fc_norm.{i}.weight)
+# Published variant flags this port does not implement; refused by name when set.
+UNSUPPORTED_FLAGS = ("tie_word_embeddings",)
 
 
 Convention = Literal["output", "input"]
@@ -48,6 +52,7 @@ def read_drafter_config(
         raise ConfigError(f"capture_convention: expected 'output', 'input' or None, got {capture_convention!r}")
     layer, fmt = _layer_and_format(cfg)
     problems = _unsupported(cfg, layer, fmt)
+    flags = _eagle31_flags(cfg, layer, problems)
 
     def req(name: str) -> Any:
         if not isinstance(layer.get(name), int) or isinstance(layer.get(name), bool) or layer[name] <= 0:
@@ -86,6 +91,7 @@ def read_drafter_config(
         capture_layers=layers,
         capture_convention=convention,
         norm_before_residual=bool(cfg.get("norm_before_residual") or layer.get("norm_before_residual")),
+        **flags,
         format=fmt,
         mla=mla,
     )
@@ -141,11 +147,37 @@ def _unsupported(cfg: Mapping[str, Any], layer: Mapping[str, Any], fmt: str) -> 
             problems.append(f"{name}: biases are not supported (published EAGLE-3 drafters have none)")
     for name in UNSUPPORTED_FLAGS:
         if cfg.get(name) or layer.get(name):
-            problems.append(f"{name}: variant flag is set; only norm_before_residual is supported")
+            problems.append(
+                f"{name}: true is not supported (the drafter's lm_head would be its embedding; published EAGLE-3 "
+                "drafters have their own lm_head)"
+            )
     eagle = cfg.get("eagle_config") or {}
     if not eagle.get("use_aux_hidden_state", True):
         problems.append("eagle_config.use_aux_hidden_state: false (an EAGLE-1/2 drafter) is not supported")
     return problems
+
+
+def _eagle31_flags(cfg: Mapping[str, Any], layer: Mapping[str, Any], problems: list[str]) -> dict[str, bool]:
+    """The EAGLE 3.1 flags ({fc_norm, norm_before_fc, norm_output}: bool), from wherever the config sets them."""
+    places = {"": cfg, "eagle_config.": cfg.get("eagle_config") or {}}
+    if layer is not cfg:  # speculators
+        places["transformer_layer_config."] = layer
+    flags = dict.fromkeys(EAGLE31_FLAGS, False)
+    for name in (*EAGLE31_FLAGS, *FLAG_ALIASES):
+        found = {where + name: m[name] for where, m in places.items() if m.get(name) is not None}
+        bad = {k: v for k, v in found.items() if type(v) is not bool}
+        if bad:
+            problems.append(f"{', '.join(bad)}: expected true or false, got {', '.join(map(repr, bad.values()))}")
+        elif len(set(found.values())) > 1:
+            problems.append(f"{name}: set differently in {' and '.join(found)} ({list(found.values())})")
+        elif any(found.values()):
+            flags[FLAG_ALIASES.get(name, name)] = True
+    if flags["fc_norm"] and flags["norm_before_fc"]:
+        problems.append(
+            "norm_before_fc and fc_norm: both set; they are exclusive (one RMSNorm over the concatenated captured "
+            "states, or one per state)"
+        )
+    return flags
 
 
 def _read_mla(layer: Mapping[str, Any], target: KimiConfig, D: int, N: int, problems: list[str]) -> KimiConfig | None:
@@ -325,12 +357,18 @@ def _mla_hf_config(cfg: Eagle3Config, layer: dict[str, Any], dtype_name: str) ->
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
+        **_set_flags(cfg),
         "torch_dtype": dtype_name,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": [k + 1 for k in cfg.capture_layers],
             "use_aux_hidden_state": True,
         },
     }
+
+
+def _set_flags(cfg: Eagle3Config) -> dict[str, bool]:
+    """The EAGLE 3.1 flags this drafter sets, as SGLang and vLLM read them (top level; absent means off)."""
+    return {name: True for name in EAGLE31_FLAGS if getattr(cfg, name)}
 
 
 def hf_config(cfg: Eagle3Config, format: Format, dtype=jnp.bfloat16, verifier: str | None = None) -> dict[str, Any]:
@@ -367,6 +405,7 @@ def hf_config(cfg: Eagle3Config, format: Format, dtype=jnp.bfloat16, verifier: s
             "rope_theta": theta,
             "rope_scaling": None if rope["rope_type"] == "default" else rope,
             **common,
+            **_set_flags(cfg),
             "torch_dtype": dtype_name,
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": list(cfg.capture_layers),
@@ -377,9 +416,7 @@ def hf_config(cfg: Eagle3Config, format: Format, dtype=jnp.bfloat16, verifier: s
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": SPECULATORS_TYPE,
         **common,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{name: getattr(cfg, name) for name in EAGLE31_FLAGS},  # speculators writes all three
         "eagle_aux_hidden_state_layer_ids": [k + 1 for k in cfg.capture_layers],  # inputs of layer k + 1
         "transformer_layer_config": {**layer, "rope_parameters": rope},
         "speculators_config": {

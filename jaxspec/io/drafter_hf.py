@@ -86,6 +86,19 @@ def _mla_table(cfg: Eagle3Config) -> list[tuple[str, tuple[int, ...], Any, Any]]
     ]
 
 
+def _fc_norm_table(cfg: Eagle3Config) -> list[tuple[str, list[str], tuple[int, ...]]]:
+    """EAGLE 3.1's norms before fc: (param key, its HF names (one per row of the param), the shape of each). Top-level
+    names in every format: `fc_norm.{i}.weight` per captured state (vLLM, SGLang, speculators), `input_norm.weight`
+    over the concatenation (speculators' norm_before_fc)."""
+    X, Dt = len(cfg.capture_layers), cfg.target_hidden_size
+    rows = []
+    if cfg.fc_norm:
+        rows.append(("fc_norm", [f"fc_norm.{i}.weight" for i in range(X)], (Dt,)))
+    if cfg.norm_before_fc:
+        rows.append(("fc_input_norm", ["input_norm.weight"], (X * Dt,)))
+    return rows
+
+
 def _llama_table(cfg: Eagle3Config) -> list[tuple[str, str, tuple[int, ...]]]:
     D, F, U = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     NZ, JZ = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -163,6 +176,10 @@ def _read_weights(r: _Reader, cfg: Eagle3Config, prefix: str, target_hidden: int
         w = r.get(name.format(L=prefix), shape)
         if w is not None:
             host.update({key: np.asarray(v, dtype) for key, v in to_ours(w).items()})
+    for key, names, shape in _fc_norm_table(cfg):
+        rows = [r.get(name, shape) for name in names]
+        if all(w is not None for w in rows):
+            host[key] = np.stack(rows).astype(dtype)
     V = cfg.vocab_size
     if "embed_tokens.weight" in r.names:
         w = r.get("embed_tokens.weight", (V, cfg.hidden_size))
@@ -227,6 +244,8 @@ def save_drafter(drafter: Drafter, path: str | Path, *, format: Format, verifier
     }
     for name, _, _, to_hf in [] if cfg.mla is None else _mla_table(cfg):
         tensors[name.format(L=prefix)] = np.ascontiguousarray(to_hf(host))
+    for key, names, _ in _fc_norm_table(cfg):
+        tensors.update(zip(names, np.ascontiguousarray(host(key).reshape(len(names), -1)), strict=True))
     if "embed" not in drafter.shared:
         tensors["embed_tokens.weight"] = host("embed")
     if drafter.d2t is not None:

@@ -2,11 +2,16 @@
 published checkpoint formats).
 
 One Llama-style decoder layer (spec: ../shared/spec/eagle3.md):
-    first step:  h = fc(concat(captured target states, low -> high))    later steps: h = previous step's h2
+    first step:  h = fc(concat(captured target states, low -> high))    later steps: h = previous step's output
     a  = concat(input_layernorm(embed(token)), hidden_norm(h))            # 2D wide, embedding first
     h1 = residual + attn(a)     residual = h, or hidden_norm(h) with `norm_before_residual`
     h2 = h1 + swiglu_mlp(post_attention_layernorm(h1))
     logits = lm_head(norm(h2))  over the draft vocabulary; draft id u is target id u + d2t[u]
+    output = h2, or norm(h2) with `norm_output` (EAGLE 3.1): what the next draft step reads as its h
+
+EAGLE 3.1 also normalises the captured states before fc: `fc_norm` (vLLM, speculators; `use_aux_norm` is its older
+name) one RMSNorm per captured state, concat(norm_0(s_0), norm_1(s_1), ...); `norm_before_fc` (speculators) one
+RMSNorm over the whole concatenation. The two are exclusive.
 
 Like the target, `Eagle3Model.__call__` runs per device inside ONE `jax.shard_map` over the target's mesh. Query and
 KV heads, the MLP hidden dim and the draft vocabulary are split over "model" when their sizes divide it (heads: both
@@ -90,6 +95,11 @@ class Eagle3Config:
     capture_layers: tuple[int, ...]  # internal convention: outputs of these target layers, ascending
     capture_convention: Literal["output", "input", "default"]  # how the checkpoint's ids were read
     norm_before_residual: bool = False
+    # EAGLE 3.1 (see the module docstring): per-state RMSNorm before fc, one RMSNorm over the concatenation before fc,
+    # and the post-norm h2 fed to the next step.
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
     format: Literal["sglang", "speculators", "mla"] = "sglang"
     # An MLA drafter's attention geometry and RoPE (DeepSeek YaRN, interleaved) as a KimiConfig whose hidden_size is
     # the drafter's; None for the Llama (GQA, rotate-half RoPE) drafter. head_dim/num_key_value_heads/rope are unused.
@@ -151,7 +161,8 @@ class Eagle3Model(nnx.Module):
     ):
         D, F, V, U = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.draft_vocab_size
         N, O, Z = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim  # noqa: E741
-        XD = len(cfg.capture_layers) * cfg.target_hidden_size
+        X = len(cfg.capture_layers)
+        XD = X * cfg.target_hidden_size
         self.split = split = split or Split.plan(cfg, 1)
         heads, mlp, vocab = ("heads" if split.heads else None), ("mlp" if split.mlp else None), split.vocab
         self.config, self.dtype = cfg, dtype
@@ -159,6 +170,10 @@ class Eagle3Model(nnx.Module):
         # declared exactly like the target's: vocab-split [V, D] and [D, V].
         self.embed = param(rngs, (V, D), ("vocab", "embed"), dtype)
         self.fc = param(rngs, (XD, D), (None, "embed"), dtype)
+        if cfg.fc_norm:  # one weight row per captured state
+            self.fc_norm = param(rngs, (X, cfg.target_hidden_size), (None, None), dtype, ones)
+        if cfg.norm_before_fc:
+            self.fc_input_norm = param(rngs, (XD,), (None,), dtype, ones)
         self.input_norm = param(rngs, (D,), ("embed",), dtype, ones)
         self.hidden_norm = param(rngs, (D,), ("embed",), dtype, ones)
         if cfg.mla is None:
@@ -192,7 +207,8 @@ class Eagle3Model(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, KVCache | None]:
         """Per-device step. `hidden` is the captured aux [B,T,X*Dt] if `first_step`, else the previous h2 [B,T,D].
 
-        Returns (fp32 logits [B,T,U] (local vocab shard when split), h2 [B,T,D], updated cache or None).
+        Returns (fp32 logits [B,T,U] (local vocab shard when split), the next step's h [B,T,D] (`output`: h2, or
+        norm(h2) with `norm_output`), updated cache or None).
         """
         return self._step(tokens_BT, hidden, first_step, lambda a_BTW: self._attend(a_BTW, pos_BT, cache))
 
@@ -210,7 +226,8 @@ class Eagle3Model(nnx.Module):
         """Per-device draft step over K tree nodes per row (jaxspec/decoding/tree.py), from their parents' h2
         `hidden_BKD`. The cache is only read: each node sees its row's cached entries below `prefix_len_B` and the
         `scratch` entries `mask_BKM` marks (its ancestors and itself); its own entry goes to scratch slots
-        `write_at`..`write_at`+K (static). Returns (fp32 logits [B,K,U], h2 [B,K,D], the updated scratch)."""
+        `write_at`..`write_at`+K (static). Returns (fp32 logits [B,K,U], the nodes' outputs [B,K,D] (their
+        children's h), the updated scratch)."""
 
         def attend(a_BKW):
             if self.config.mla is not None:
@@ -220,7 +237,7 @@ class Eagle3Model(nnx.Module):
         return self._step(tokens_BK, hidden_BKD, False, attend)
 
     def _step(self, tokens_BT, hidden, first_step: bool, attend: Callable[[jax.Array], tuple[jax.Array, Any]]):
-        """The layer around its attention: (logits, h2, what `attend` returns besides its output)."""
+        """The layer around its attention: (logits, output, what `attend` returns besides its output)."""
         dt = self.dtype
         e_BTD = self.embed_tokens(tokens_BT, dt)
         h_BTD = self.fuse_captured(hidden, dt) if first_step else hidden.astype(dt)
@@ -228,8 +245,8 @@ class Eagle3Model(nnx.Module):
         with jax.named_scope("attention"):
             attn_BTD, cache = attend(a_BTW)
             h1_BTD = self.add_attention(residual_BTD, attn_BTD, dt)
-        h2_BTD = self.mlp(h1_BTD, dt)
-        return self.head(h2_BTD), h2_BTD, cache
+        logits_BTU, out_BTD = self.head(self.mlp(h1_BTD, dt))
+        return logits_BTU, out_BTD, cache
 
     # ---------------------------------------------------------------- the layer math, shared with training
     def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -238,9 +255,18 @@ class Eagle3Model(nnx.Module):
             return embed_lookup(self.embed[...], tokens_BT, self.split.axis).astype(dtype)
 
     def fuse_captured(self, aux_BTI: jax.Array, dtype: jnp.dtype, weight: WeightFn = stored) -> jax.Array:
-        """The first step's h [B,T,D]: `fc` over the concatenated captured target states."""
+        """The first step's h [B,T,D]: `fc` over the concatenated captured target states (each normalised first with
+        `fc_norm`, the concatenation with `norm_before_fc`)."""
+        cfg = self.config
         with jax.named_scope("fc"):
-            return ein("BTI,ID->BTD", aux_BTI.astype(dtype), weight(self.fc))
+            aux_BTI = aux_BTI.astype(dtype)
+            if cfg.fc_norm:
+                B, T, _ = aux_BTI.shape
+                aux_BTXD = aux_BTI.reshape(B, T, -1, cfg.target_hidden_size)
+                aux_BTI = rms_norm(aux_BTXD, weight(self.fc_norm), cfg.rms_norm_eps).reshape(B, T, -1)
+            if cfg.norm_before_fc:
+                aux_BTI = rms_norm(aux_BTI, weight(self.fc_input_norm), cfg.rms_norm_eps)
+            return ein("BTI,ID->BTD", aux_BTI, weight(self.fc))
 
     def layer_input(self, e_BTD, h_BTD, weight: WeightFn = stored) -> tuple[jax.Array, jax.Array]:
         """(attention input [B,T,W] = [input_norm(embedding) | hidden_norm(h)], the residual stream [B,T,D])."""
@@ -278,11 +304,13 @@ class Eagle3Model(nnx.Module):
                 y_BTD = jax.lax.psum(y_BTD, self.split.axis)
             return h1_BTD + y_BTD.astype(dtype)
 
-    def head(self, h2_BTD: jax.Array, weight: WeightFn = stored) -> jax.Array:
-        """fp32 draft logits [B,T,U] (the local vocabulary shard when it is split)."""
+    def head(self, h2_BTD: jax.Array, weight: WeightFn = stored) -> tuple[jax.Array, jax.Array]:
+        """(fp32 draft logits [B,T,U] (the local vocabulary shard when it is split), the layer's output [B,T,D]: h2,
+        or with `norm_output` the normalised h2 the logits are read from)."""
         with jax.named_scope("head"):
             x_BTD = rms_norm(h2_BTD, weight(self.final_norm), self.config.rms_norm_eps)
-            return ein("BTD,DU->BTU", x_BTD, weight(self.lm_head), dtype=jnp.float32)
+            logits_BTU = ein("BTD,DU->BTU", x_BTD, weight(self.lm_head), dtype=jnp.float32)
+            return logits_BTU, x_BTD if self.config.norm_output else h2_BTD
 
     # ---------------------------------------------------------------- inference attention over the KV cache
     def _attend(self, a_BTW, pos_BT, cache):

@@ -63,6 +63,8 @@ CHECKPOINTS = "checkpoints"
 
 DEFAULT_DRAFT_VOCAB = 32000
 ATTENTION_KINDS = ("gqa", "mla")
+# EAGLE 3.1 as the published Kimi 3.1 drafters set it: fc_norm and norm_output (see jaxspec/models/eagle3.py).
+VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
 
 
 def _setting(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -99,6 +101,12 @@ class TrainConfig:
         "drafter attention: gqa (Llama drafter) or mla (the target's MLA, exported as Eagle3DeepseekV2ForCausalLM)",
         choices=ATTENTION_KINDS,
     )
+    variant: str = _setting(
+        "eagle3",
+        "drafter variant: eagle3, or eagle3.1 (fc_norm: an RMSNorm per captured state before fc; norm_output: the "
+        "post-norm output fed to the next draft step), as the published Kimi EAGLE 3.1 drafters",
+        choices=tuple(VARIANTS),
+    )
 
     def resolve(self, tcfg: KimiConfig, dataset_seq_len: int) -> TrainConfig:
         """Every setting checked (all problems named at once, as ValueError) and filled in for this target and
@@ -126,7 +134,9 @@ class TrainConfig:
 
 
 def _number(name: str, value: Any) -> Any:
-    return float(value) if name in ("lr", "weight_decay", "clip") else value if name == "attention" else int(value)
+    if name in ("attention", "variant"):
+        return value
+    return float(value) if name in ("lr", "weight_decay", "clip") else int(value)
 
 
 def _scalars(config: TrainConfig) -> list[tuple[str, Any]]:
@@ -145,6 +155,8 @@ def _check_types(config: TrainConfig) -> None:
             problems.append(f"{name}: expected a positive integer, got {v!r}")
     if config.attention not in ATTENTION_KINDS:
         problems.append(f"attention: expected one of {list(ATTENTION_KINDS)}, got {config.attention!r}")
+    if config.variant not in VARIANTS:
+        problems.append(f"variant: expected one of {list(VARIANTS)}, got {config.variant!r}")
     if problems:
         raise ValueError("train_drafter: " + "; ".join(problems))
 
@@ -199,7 +211,9 @@ def make_optimizer(config: TrainConfig):
     `config` must be resolved (`TrainConfig.resolve`)."""
     lr, warmup, steps, weight_decay, clip = config.lr, config.warmup, config.steps, config.weight_decay, config.clip
     schedule = optax.warmup_cosine_decay_schedule(lr / max(warmup, 1), lr, warmup, steps, 0.0)
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+    # Norm scales are not decayed, fc_norm's [X, D] stack of per-state scales included.
+    decayed = lambda path, x: x.ndim >= 2 and "norm" not in jax.tree_util.keystr(path)
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decayed, params)
     adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(clip), adamw), schedule
 
@@ -287,7 +301,8 @@ def train_drafter(
     vocabulary); seq_len the dataset's (longer rows are cut, shorter padded and masked); warmup min(100, steps//10);
     heads / kv_heads / intermediate_size / capture_layers the target's attention heads, heads/8 KV heads, the target's
     dense intermediate size and SpecForge's capture layers (target-layer outputs, 0-indexed); attention "gqa" (a
-    Llama drafter) or "mla" (one MLA layer with the target's ranks, head dims and RoPE; needs a target q_lora_rank).
+    Llama drafter) or "mla" (one MLA layer with the target's ranks, head dims and RoPE; needs a target q_lora_rank);
+    variant "eagle3" or "eagle3.1" (fc_norm + norm_output, for either attention).
     checkpoint_every: steps between Orbax checkpoints. resume: continue from the latest checkpoint in `out_dir`.
     mesh: train on this mesh instead of the target's (data parallel over its data axis). dtype: of the returned and
     exported drafter (default: the target's); training is in float32. on_step(step, metrics) is called after every
@@ -442,7 +457,12 @@ class _Run:
 def _draft_config(tcfg: KimiConfig, config: TrainConfig) -> Eagle3Config:
     """The drafter's config; an MLA drafter's is the one its export reads back (the published layout's, parsed)."""
     cfg = draft_config_for(tcfg, heads=config.heads, kv_heads=config.kv_heads, capture_layers=config.capture_layers)
-    cfg = dataclasses.replace(cfg, intermediate_size=config.intermediate_size, draft_vocab_size=config.draft_vocab_size)
+    cfg = dataclasses.replace(
+        cfg,
+        intermediate_size=config.intermediate_size,
+        draft_vocab_size=config.draft_vocab_size,
+        **VARIANTS[config.variant],
+    )
     if config.attention == "gqa":
         return cfg
     mla = tcfg.replace(hidden_size=cfg.hidden_size, num_attention_heads=config.heads)
@@ -474,9 +494,9 @@ def _open_run(out: Path, record: dict[str, Any], resume: bool) -> tuple[ocp.Chec
         )
     if resume and (out / TRAIN_CONFIG).is_file():
         old = json.loads((out / TRAIN_CONFIG).read_text())
-        diff = [
-            f"{k} ({old['config'].get(k)!r} -> {v!r})" for k, v in record["config"].items() if old["config"].get(k) != v
-        ]
+        # A setting added since the run started was at its default then (variant: EAGLE-3).
+        was = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name == "variant"} | old["config"]
+        diff = [f"{k} ({was.get(k)!r} -> {v!r})" for k, v in record["config"].items() if was.get(k) != v]
         diff += [k for k in ("dataset", "d2t_sha256") if old.get(k) != record[k]]
         if diff:
             raise ValueError(f"{out}: cannot resume, the run's settings changed: {', '.join(diff)}")

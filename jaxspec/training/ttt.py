@@ -4,8 +4,8 @@ Alignment (derived from the inference loop, `jaxspec/decoding/spec_loop.py`, whi
 - Drafter row t pairs the target state of position t with token t+1. Its first-step output (draft-extend / prefill)
   is the draft of token t+2, checked against the target's distribution at position t+1.
 - Draft step j >= 1 from the same start t runs at position t+j with token t+1+j (teacher-forced here; the drafter's
-  own draft at inference) and hidden input = step j-1's h2 at row t; it drafts token t+2+j, checked against the
-  target's distribution at position t+1+j.
+  own draft at inference) and hidden input = step j-1's output at row t (h2, or norm(h2) with `norm_output`); it
+  drafts token t+2+j, checked against the target's distribution at position t+1+j.
 - Attention at step j sees what the drafter KV cache holds at inference: the first-step keys of rows 0..t (positions
   0..t, causal) and the keys the chain itself wrote at steps 1..j (positions t+1..t+j, row t only).
 So with rows indexed by the chain start t, step j uses tokens shifted left by 1+j, RoPE positions t+j, and its
@@ -70,8 +70,8 @@ def ttt_forward(model: Eagle3Model, tokens_BT: jax.Array, aux_BTI: jax.Array, de
             pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + j, (B, T))
             # The trainer replicates every weight but the embedding: nothing to reduce over the model axis.
             h1_BTD = model.add_attention(residual_BTD, attend(a_BTW, pos_BT), jnp.float32, reduce=False)
-            h_BTD = model.mlp(h1_BTD, jnp.float32, float32, reduce=False)
-            logits.append(model.head(h_BTD, float32))
+            logits_BTU, h_BTD = model.head(model.mlp(h1_BTD, jnp.float32, float32, reduce=False), float32)
+            logits.append(logits_BTU)
     return jnp.stack(logits)
 
 

@@ -6,6 +6,7 @@ the tiny target is an HF `DeepseekV3ForCausalLM` with 4 layers, loaded with `loa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -21,6 +22,7 @@ from speculators.models.eagle3 import Eagle3DraftModel
 from transformers import DeepseekV3ForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from jaxspec import generate
 from jaxspec.config import ConfigError, KimiConfig
 from jaxspec.io import CheckpointError, load_drafter, load_drafter_or_random, load_target, save_drafter
 from jaxspec.io.drafter_config import _read_draft_rope, draft_config_for, read_drafter_config
@@ -112,18 +114,42 @@ def chain(drafter, aux, ids, steps=3) -> list[np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------------------- parity
+EAGLE31 = {"fc_norm": True, "norm_output": True}  # as the published Kimi EAGLE 3.1 drafters set them
+EAGLE31_ONE_NORM = {"norm_before_fc": True, "norm_output": True}  # speculators' `--eagle31` training default
+
+
 @pytest.mark.parametrize(
-    "draft_vocab,rope,norm_before_residual",
-    [(U, "yarn", False), (None, "llama3", True)],  # default RoPE: vs speculators in the capture test
-    ids=["draft-vocab-yarn", "full-vocab-llama3-norm-before-residual"],
+    "draft_vocab,rope,norm_before_residual,eagle31",
+    [
+        (U, "yarn", False, {}),
+        (None, "llama3", True, {}),  # default RoPE: vs speculators in the capture test
+        (U, "linear", False, EAGLE31),
+        (None, "yarn", True, EAGLE31_ONE_NORM),
+    ],
+    ids=[
+        "draft-vocab-yarn",
+        "full-vocab-llama3-norm-before-residual",
+        "eagle3.1-fc-norm-norm-output",
+        "eagle3.1-norm-before-fc-norm-output",
+    ],
 )
-def test_parity_with_speculators(target, embed, tmp_path, draft_vocab, rope, norm_before_residual):
+def test_parity_with_speculators(target, embed, tmp_path, draft_vocab, rope, norm_before_residual, eagle31):
+    """speculators' own forward (its EAGLE 3.1 flags included): the 1-step draft and the 3-step chain, in which
+    each step reads the previous step's output (post-norm with norm_output)."""
     model = ref.make_model(
-        embed, SPEC_IDS, draft_vocab=draft_vocab, rope=ROPES[rope], norm_before_residual=norm_before_residual, seed=1
+        embed,
+        SPEC_IDS,
+        draft_vocab=draft_vocab,
+        rope=ROPES[rope],
+        norm_before_residual=norm_before_residual,
+        eagle31=eagle31,
+        seed=1,
     )
     model.save_pretrained(tmp_path)
     drafter = load_drafter(tmp_path, target, dtype=jnp.float32)
     assert drafter.config.norm_before_residual == norm_before_residual and drafter.config.rope.kind == rope
+    flags = {name: getattr(drafter.config, name) for name in ("fc_norm", "norm_before_fc", "norm_output")}
+    assert flags == {name: eagle31.get(name, False) for name in flags}
     ids, aux = inputs()
     expected = ref.draft_logits(model, aux, ids, steps=3)
     assert rel_err(drafter.logits(aux[None], ids[None])[0], expected[0]) <= 1e-4  # 1-step draft
@@ -178,6 +204,55 @@ def test_round_trip_between_formats(spec_ckpt, drafter, target, hf_target, tmp_p
     for key, value in model.state_dict().items():
         if not key.startswith("verifier_"):
             assert torch.equal(reloaded[key], value), key
+
+
+@pytest.mark.parametrize("eagle31", [EAGLE31, EAGLE31_ONE_NORM], ids=["fc-norm", "norm-before-fc"])
+def test_eagle31_round_trip_between_formats(target, embed, hf_target, tmp_path, eagle31):
+    """An EAGLE 3.1 drafter written by speculators exports to both Llama formats with its flags and norm weights;
+    each export loads back to the same drafter, and speculators loads its own format to the weights it wrote."""
+    model = ref.make_model(embed, SPEC_IDS, draft_vocab=U, eagle31=eagle31, seed=2)
+    model.save_pretrained(tmp_path / "src")
+    a = load_drafter(tmp_path / "src", target, dtype=jnp.float32)
+    save_drafter(a, tmp_path / "sglang", format="sglang")
+    save_drafter(a, tmp_path / "spec", format="speculators", verifier=str(hf_target[0]))
+    sglang_cfg = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    assert {k: sglang_cfg[k] for k in eagle31} == eagle31  # SGLang and vLLM read the flags at the top level
+    norms = (
+        {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} if "fc_norm" in eagle31 else {"input_norm.weight"}
+    )
+    assert norms <= load_file(tmp_path / "sglang" / "model.safetensors").keys()
+    ids, aux = inputs(5)
+    for name in ("sglang", "spec"):
+        b = load_drafter(tmp_path / name, target, dtype=jnp.float32)
+        assert b.config == dataclasses.replace(
+            a.config, format=b.config.format, capture_convention=b.config.capture_convention
+        )
+        for key in a.params:
+            np.testing.assert_array_equal(np.asarray(b.params[key].get_value()), np.asarray(a.params[key].get_value()))
+        np.testing.assert_array_equal(np.asarray(b.logits(aux[None], ids[None])), a.logits(aux[None], ids[None]))
+    reloaded = Eagle3DraftModel.from_pretrained(tmp_path / "spec")
+    assert all(getattr(reloaded.config, k) == v for k, v in eagle31.items())
+    state = reloaded.state_dict()
+    for key, value in model.state_dict().items():
+        if not key.startswith("verifier_"):
+            assert torch.equal(state[key], value), key
+    # A checkpoint whose config lost its flag is refused by its norm weights, not loaded as plain EAGLE-3.
+    _edit(tmp_path / "sglang", tmp_path / "no_flag", config=lambda c: {k: v for k, v in c.items() if k not in eagle31})
+    with pytest.raises(CheckpointError, match=r"unexpected tensor (fc_norm.0|input_norm).weight"):
+        load_drafter(tmp_path / "no_flag", target)
+
+
+@pytest.mark.slow  # two loop compiles per shape (~1.5 min on 2 cores)
+@pytest.mark.parametrize("topk,num_draft_tokens", [(1, None), (2, 6)], ids=["chain", "tree"])
+def test_eagle31_greedy_drafting_equals_plain(target, embed, tmp_path, topk, num_draft_tokens):
+    model = ref.make_model(embed, SPEC_IDS, draft_vocab=U, eagle31=EAGLE31, seed=3)
+    model.save_pretrained(tmp_path)
+    drafter, prompts = load_drafter(tmp_path, target, dtype=jnp.float32), [[5, 9, 200, 17], [3, 4, 5, 6, 7, 8]]
+    plain = generate(target, None, prompts, max_new_tokens=12, num_steps=0)
+    spec = generate(
+        target, drafter, prompts, max_new_tokens=12, num_steps=3, topk=topk, num_draft_tokens=num_draft_tokens
+    )
+    assert spec.tokens == plain.tokens
 
 
 def test_load_drafter_or_random_loads_a_path(spec_ckpt, target, drafter):
@@ -298,9 +373,15 @@ def test_capture_layers_from_config(cfg, kw, layers, convention):
             r"architectures: \['DeepseekV3ForCausalLMEagle3'\]",
         ),
         (kimi_speculators(speculators_model_type="mtp"), r"speculators_model_type: 'mtp' is not supported"),
-        (kimi_speculators(norm_before_fc=True), r"norm_before_fc: variant flag"),
-        (kimi_speculators(fc_norm=True), r"fc_norm: variant flag"),
-        (kimi_speculators(norm_output=True), r"norm_output: variant flag"),
+        (kimi_speculators(norm_before_fc=True, fc_norm=True), r"norm_before_fc and fc_norm: both set"),
+        (kimi_sglang(use_aux_norm=True, norm_before_fc=True), r"norm_before_fc and fc_norm: both set"),
+        (kimi_speculators(norm_output="yes"), r"norm_output: expected true or false, got 'yes'"),
+        (
+            kimi_speculators({"norm_output": False}, norm_output=True),
+            r"norm_output: set differently in norm_output and transformer_layer_config.norm_output",
+        ),
+        (kimi_sglang(tie_word_embeddings=True), r"tie_word_embeddings: true is not supported"),
+        (kimi_speculators({"tie_word_embeddings": True}), r"tie_word_embeddings: true is not supported"),
         (kimi_sglang(num_hidden_layers=2), r"num_hidden_layers: only 1"),
         (kimi_sglang(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_type: 'dynamic' is not supported"),
         (kimi_sglang(eagle_config={"use_aux_hidden_state": False}), r"use_aux_hidden_state"),

@@ -216,5 +216,87 @@ def test_bad_mla_configs_are_named(target):
         read_drafter_config(published_config(cfg, q_lora_rank=None), target_config=target.config)
     with pytest.raises(ConfigError, match="kv_lora_rank: an MLA drafter needs a positive integer, got 0"):
         read_drafter_config(published_config(cfg, kv_lora_rank=0), target_config=target.config)
-    with pytest.raises(ConfigError, match=r"fc_norm: variant flag is set"):  # Eagle 3.1 checkpoints
-        read_drafter_config(published_config(cfg, fc_norm=True), target_config=target.config)
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings: true is not supported"):
+        read_drafter_config(published_config(cfg, tie_word_embeddings=True), target_config=target.config)
+
+
+# ----------------------------------------------------------------------------------------------- EAGLE 3.1
+# The published Kimi EAGLE 3.1 MLA drafters (lightseekorg/kimi-k2.6-eagle3.1-mla and its K2.7 continuation) are the
+# K2.5 MLA drafter's layout with two more config fields, both served by vLLM (PRs #42764, #43482) and SGLang.
+EAGLE31 = {"fc_norm": True, "norm_output": True}
+
+
+@pytest.fixture(scope="module")
+def drafter31_ckpt(hf_target, tmp_path_factory):
+    """(path, reference model): the `drafter_ckpt` drafter with EAGLE 3.1's per-state norms (`fc_norm.{i}.weight`)
+    and its post-norm output fed back."""
+    model = hf_target[1]
+    cfg = hf_config("kimi", q_lora_rank=24, kv_lora_rank=40, intermediate_size=96, first_k_dense_replace=1)
+    embed = model.model.embed_tokens.weight.detach().numpy()
+    drafter = ref.make_drafter(cfg, model.config.hidden_size, len(VLLM_IDS), embed, seed=1, eagle31=True)
+    path = tmp_path_factory.mktemp("mla_drafter31")
+    save_file(ref.checkpoint_tensors(drafter), path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(published_config(cfg, **EAGLE31)))
+    return path, drafter
+
+
+def test_eagle31_matches_reference_first_cached_and_ttt_steps(drafter31_ckpt, target, inputs):
+    """First step, a cached step from the previous step's output (post-norm), and the TTT unroll, against the
+    reference's vLLM formulas (per-state RMSNorm before fc; the final norm's output fed back)."""
+    path, model = drafter31_ckpt
+    ids, aux = inputs
+    drafter = load_drafter(path, target, dtype=jnp.float32)
+    assert (drafter.config.fc_norm, drafter.config.norm_output, drafter.config.norm_before_fc) == (True, True, False)
+    pos = torch.arange(T)[None]
+    cache, hf_cache = drafter.init_cache(1, 32), DynamicCache()
+    with torch.no_grad():
+        want1, out_ref = model(torch.from_numpy(ids[:, :-1]), aux[:, :-1], pos[:, :-1], hf_cache)
+        want2, _ = model(torch.from_numpy(ids[:, -1:]), out_ref[:, -1:], pos[:, -1:], hf_cache)
+    got1, out, cache = drafter.forward(ids[:, :-1], aux[:, :-1].numpy(), pos[:, :-1].numpy(), cache, first_step=True)
+    assert rel_err(got1, want1.numpy()) < 1e-4 and rel_err(out, out_ref.numpy()) < 1e-4
+    got2, _, _ = drafter.forward(ids[:, -1:], np.asarray(out)[:, -1:], pos[:, -1:].numpy(), cache, first_step=False)
+    assert rel_err(got2, want2.numpy()) < 1e-4
+    got = np.asarray(ttt_logits(drafter, ids, aux.numpy(), 3))[:, 0]
+    with torch.no_grad():
+        want = ref.ttt_logits(model, torch.from_numpy(ids), aux, 3)[:, 0].numpy()
+    for j in range(3):
+        assert rel_err(got[j], want[j]) < 1e-4, f"TTT step {j}"
+
+
+def test_eagle31_eight_devices_match_reference(drafter31_ckpt, target8, inputs):
+    """Heads split over 8 devices; the per-state norms (replicated) and the post-norm output as on one device."""
+    path, model = drafter31_ckpt
+    drafter = load_drafter(path, target8, dtype=jnp.float32)
+    assert drafter.split.heads
+    ids, aux = inputs
+    with torch.no_grad():
+        want, out_ref = model(torch.from_numpy(ids), aux, torch.arange(T)[None])
+    got, out, _ = drafter.forward(ids, aux.numpy(), np.arange(T)[None], drafter.init_cache(1, 16), first_step=True)
+    assert rel_err(got, want.numpy()) < 1e-4 and rel_err(out, out_ref.numpy()) < 1e-4
+
+
+def test_eagle31_export_round_trip(drafter31_ckpt, target, tmp_path):
+    drafter = load_drafter(drafter31_ckpt[0], target, dtype=jnp.float32)
+    save_drafter(drafter, tmp_path / "out", format="mla")
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: raw.get(k) for k in EAGLE31} == EAGLE31
+    assert (
+        load_file(tmp_path / "out" / "model.safetensors").keys()
+        == load_file(drafter31_ckpt[0] / "model.safetensors").keys()
+    )  # the published names: fc_norm.{0,1,2}.weight
+    again = load_drafter(tmp_path / "out", target, dtype=jnp.float32)
+    assert again.config == drafter.config
+    want = dict(nnx.to_flat_state(drafter.params))
+    for path, var in nnx.to_flat_state(again.params):
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want[path].get_value()), str(path))
+
+
+@pytest.mark.slow  # two loop compiles per shape (~1.5 min on 2 cores)
+@pytest.mark.parametrize("topk,num_draft_tokens", [(1, None), (2, 6)], ids=["chain", "tree"])
+def test_eagle31_greedy_drafting_equals_plain(drafter31_ckpt, target, topk, num_draft_tokens):
+    drafter = load_drafter(drafter31_ckpt[0], target, dtype=jnp.float32)
+    plain = generate(target, None, PROMPTS, max_new_tokens=12, num_steps=0)
+    spec = generate(
+        target, drafter, PROMPTS, max_new_tokens=12, num_steps=3, topk=topk, num_draft_tokens=num_draft_tokens
+    )
+    assert spec.tokens == plain.tokens

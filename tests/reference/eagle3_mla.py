@@ -26,7 +26,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 class Eagle3MLADrafter(nn.Module):
     """One MLA decoder layer with the EAGLE-3 fusion (`Eagle3DeepseekV2ForCausalLM`'s forward)."""
 
-    def __init__(self, cfg: DeepseekV3Config, target_hidden: int, num_aux: int, embed: np.ndarray):
+    def __init__(
+        self, cfg: DeepseekV3Config, target_hidden: int, num_aux: int, embed: np.ndarray, eagle31: bool = False
+    ):
         super().__init__()
         H = cfg.hidden_size
         cfg = copy.deepcopy(cfg)
@@ -34,6 +36,11 @@ class Eagle3MLADrafter(nn.Module):
         wide = copy.deepcopy(cfg)
         wide.hidden_size = 2 * H  # q_a_proj / kv_a_proj_with_mqa read [embedding | hidden]
         self.fc = nn.Linear(num_aux * target_hidden, H, bias=False)
+        # EAGLE 3.1 as vLLM's Eagle3DeepseekV2ForCausalLM serves it (PRs #42764, #43482): `fc_norm`, one RMSNorm per
+        # captured state before fc, and `norm_output`, the final norm's output fed to the next step.
+        self.eagle31 = eagle31
+        if eagle31:
+            self.fc_norm = nn.ModuleList(DeepseekV3RMSNorm(target_hidden, cfg.rms_norm_eps) for _ in range(num_aux))
         self.midlayer = DeepseekV3DecoderLayer(cfg, layer_idx=0)  # dense MLP (0 < first_k_dense_replace)
         self.midlayer.self_attn = DeepseekV3Attention(wide, layer_idx=0)
         self.midlayer.self_attn.o_proj = nn.Linear(cfg.num_attention_heads * cfg.v_head_dim, H, bias=False)
@@ -47,7 +54,7 @@ class Eagle3MLADrafter(nn.Module):
         """ids [B,T], hidden [B,T,X*Ht] (fc applied) or a previous step's h2 [B,T,H] (pass `fc=False` by shape),
         positions [B,T]. Returns (logits [B,T,V], h2 [B,T,H]). `cache`: an HF DynamicCache for cached steps."""
         L = self.midlayer
-        h = self.fc(hidden) if hidden.shape[-1] != self.norm.weight.shape[0] else hidden
+        h = self.fuse(hidden) if hidden.shape[-1] != self.norm.weight.shape[0] else hidden
         x = torch.cat([L.input_layernorm(self.embed[ids]), L.hidden_norm(h)], dim=-1)
         T, S = ids.shape[1], positions[0, -1].item() + 1
         mask = None
@@ -58,14 +65,20 @@ class Eagle3MLADrafter(nn.Module):
         )
         h1 = h + attn
         h2 = h1 + L.mlp(L.post_attention_layernorm(h1))
-        return self.lm_head(self.norm(h2)), h2
+        return self.lm_head(self.norm(h2)), self.norm(h2) if self.eagle31 else h2
+
+    def fuse(self, aux):
+        """fc over the captured states (with EAGLE 3.1, each normalised by its own fc_norm first)."""
+        if self.eagle31:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1), strict=True)], -1)
+        return self.fc(aux)
 
 
 def make_drafter(
-    cfg: DeepseekV3Config, target_hidden: int, num_aux: int, embed: np.ndarray, seed: int = 0
+    cfg: DeepseekV3Config, target_hidden: int, num_aux: int, embed: np.ndarray, seed: int = 0, eagle31: bool = False
 ) -> Eagle3MLADrafter:
     """Random weights at unit activation scale, norms perturbed so a swapped or skipped norm shows."""
-    model = Eagle3MLADrafter(cfg, target_hidden, num_aux, embed).eval()
+    model = Eagle3MLADrafter(cfg, target_hidden, num_aux, embed, eagle31).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
@@ -98,7 +111,7 @@ def ttt_logits(model: Eagle3MLADrafter, ids: torch.Tensor, aux: torch.Tensor, st
     steps 0..j concatenated along the sequence, under `ttt_mask`."""
     L = model.midlayer
     B, T = ids.shape
-    h, xs, positions, out = model.fc(aux), [], [], []
+    h, xs, positions, out = model.fuse(aux), [], [], []
     for j in range(steps):
         tokens = torch.zeros_like(ids)
         tokens[:, : T - 1 - j] = ids[:, 1 + j :]
@@ -107,6 +120,7 @@ def ttt_logits(model: Eagle3MLADrafter, ids: torch.Tensor, aux: torch.Tensor, st
         x, pos = torch.cat(xs, dim=1), torch.cat(positions)[None].expand(B, -1)
         attn, _ = L.self_attn(x, position_embeddings=model.rotary(x, pos), attention_mask=ttt_mask(T, j + 1))
         h1 = h + attn[:, -T:]  # the rows of step j
-        h = h1 + L.mlp(L.post_attention_layernorm(h1))
-        out.append(model.lm_head(model.norm(h)))
+        h2 = h1 + L.mlp(L.post_attention_layernorm(h1))
+        out.append(model.lm_head(model.norm(h2)))
+        h = model.norm(h2) if model.eagle31 else h2
     return torch.stack(out)

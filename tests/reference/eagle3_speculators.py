@@ -1,7 +1,8 @@
 """The independent EAGLE-3 reference: the `speculators` package's `Eagle3DraftModel` (PyTorch, CPU, eager attention).
 
 Only builds a tiny model with random weights and runs the package's own forward; nothing here re-implements the
-drafter. The package's forward returns argmax tokens, so the per-step logits are read with a hook on its lm_head.
+drafter. speculators 0.9.0 implements EAGLE 3.1 (`fc_norm`, `norm_before_fc`, `norm_output`) in that same forward.
+The package's forward returns argmax tokens, so the per-step logits are read with a hook on its lm_head.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def make_model(
     *,
     draft_vocab: int | None = None,
     norm_before_residual: bool = False,
+    eagle31: dict[str, bool] | None = None,
     rope: dict | None = None,
     hidden: int = 64,
     intermediate: int = 96,
@@ -29,7 +31,8 @@ def make_model(
     kv_heads: int = 4,
     seed: int = 0,
 ) -> Eagle3DraftModel:
-    """A 1-layer Llama EAGLE-3 drafter; `layer_ids` in speculators' own (input-of-layer) convention."""
+    """A 1-layer Llama EAGLE-3 drafter; `layer_ids` in speculators' own (input-of-layer) convention. `eagle31`: the
+    package's own EAGLE 3.1 flags (`fc_norm`, `norm_before_fc`, `norm_output`), as its config takes them."""
     V = embed.shape[0]
     layer = LlamaConfig(
         vocab_size=V,
@@ -47,6 +50,7 @@ def make_model(
         transformer_layer_config=layer,
         draft_vocab_size=draft_vocab or V,
         norm_before_residual=norm_before_residual,
+        **(eagle31 or {}),
         eagle_aux_hidden_state_layer_ids=list(layer_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",

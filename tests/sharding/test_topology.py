@@ -117,6 +117,16 @@ def test_kimi_k25_decode_on_v5p16(tmp_path):
     assert report["cache_token_bytes_per_device"] == 61 * 576 * 2
 
 
+@pytest.mark.slow  # the same full-size compile as K2.5's above (its config is K2.5's: tests/test_config.py)
+def test_kimi_k26_decode_on_v5p16(tmp_path):
+    report = inspect_slice(
+        tmp_path, "decode", "--topology", "v5p-16", "--preset", "kimi-k2.6", "--batch", "1", "--tokens", "1",
+        "--cache-len", "4096",
+    )  # fmt: skip
+    assert report["fits"] is True and report["margin_bytes"] > 10 * 2**30
+    assert report["collectives"]["all-reduce"]["executed"] == 2 * 61 + 1
+
+
 def test_fp8_cache_holds_1_7x_the_positions_at_batch_32_x_8k(tmp_path):
     """Issue 29's done-when: at batch 32 x 8k the bf16 step does not fit a v5p-16 (a report, not a traceback), and
     fp8's kv_capacity_tokens is >= 1.7x bf16's."""

@@ -99,6 +99,7 @@ def test_training_flags_are_the_train_config_fields(tmp_path):
     flags = ["--draft-vocab", "100", "--ttt-depth", "2", "--steps", "7", "--batch-size", "4", "--seq-len", "64"]
     flags += ["--lr", "0.003", "--warmup", "2", "--weight-decay", "0.1", "--clip", "1.5", "--seed", "9", "--heads", "4"]
     flags += ["--kv-heads", "2", "--intermediate-size", "48", "--capture-layers", "0,2", "--attention", "mla"]
+    flags += ["--variant", "eagle3.1"]
     expected = TrainConfig(
         draft_vocab_size=100,
         ttt_depth=2,
@@ -115,6 +116,7 @@ def test_training_flags_are_the_train_config_fields(tmp_path):
         intermediate_size=48,
         capture_layers=(0, 2),
         attention="mla",
+        variant="eagle3.1",
     )
     assert {f for f in TrainConfig.__dataclass_fields__ if getattr(expected, f) == getattr(TrainConfig(), f)} == set()
     assert train_cli.train_config(parser.parse_args([*base, *flags])) == expected

@@ -1,6 +1,7 @@
 """Drafter training end to end on a tiny HF target: data generation (resumable), the training-time test against the
-drafter's own cached inference and against `speculators`, loss going down, exact resume, data parallel, export; and an
-MLA drafter (`attention="mla"`) trained, checked against HF DeepseekV3 attention, exported and restored.
+drafter's own cached inference and against `speculators`, loss going down, exact resume, data parallel, export; an
+MLA drafter (`attention="mla"`) trained, checked against HF DeepseekV3 attention, exported and restored; and an
+EAGLE 3.1 drafter (`variant="eagle3.1"`) trained and checked against speculators' EAGLE 3.1 forward.
 
 One target, one dataset and one uninterrupted training run per module (compiles dominate the time on CPU). The
 target's lm_head is scaled up so its next-token distributions are peaked (a random model's are nearly uniform, and
@@ -41,6 +42,7 @@ RUN = dict(
 RUN |= dict(heads=4, kv_heads=2, intermediate_size=96, progress=False)
 # The MLA drafter: the target's MLA geometry with 4 heads, the full vocabulary (as the published Kimi MLA drafter).
 RUN_MLA = RUN | dict(attention="mla", kv_heads=None, draft_vocab_size=V)
+RUN_31 = RUN | dict(variant="eagle3.1")
 
 
 def rel_err(a, b) -> float:
@@ -321,3 +323,33 @@ def test_mla_drafter_checkpoint_and_export_reload_equal(target, dataset, trained
     assert_same(load_drafter(out, target, dtype=jnp.float32))
     shutil.copytree(out, tmp_path / "run")
     assert_same(train_drafter(target, dataset, tmp_path / "run", **RUN_MLA, resume=True))
+
+
+# ----------------------------------------------------------------------------------------------- EAGLE 3.1
+# Slow for the same reason: one more compile of the training step.
+@pytest.mark.slow
+def test_eagle31_drafter_trains_and_matches_speculators(target, hf_dir, dataset, tmp_path):
+    """An EAGLE 3.1 drafter (fc_norm, norm_output) learns; its speculators export loads in the package with the flags
+    set, and the package's forward drafts what our TTT unroll drafts at every step (each step fed the post-norm
+    output of the last)."""
+    drafter = train_drafter(target, dataset, tmp_path / "run", **RUN_31)
+    assert (drafter.config.fc_norm, drafter.config.norm_output, drafter.config.norm_before_fc) == (True, True, False)
+    loss = np.array([e["loss"] for e in read_log(tmp_path / "run")])
+    assert loss[-4:].mean() < loss[:4].mean() - 0.3, loss
+    fc_norm = np.asarray(drafter.params["fc_norm"].get_value())
+    assert fc_norm.shape == (3, target.config.hidden_size) and np.abs(fc_norm - 1).max() > 1e-3  # it trained
+    assert load_drafter(tmp_path / "run", target, dtype=jnp.float32).config == drafter.config
+
+    save_drafter(drafter, tmp_path / "spec", format="speculators", verifier=str(hf_dir))
+    spec_cfg = Eagle3SpeculatorConfig.from_pretrained(tmp_path / "spec")
+    assert spec_cfg.fc_norm and spec_cfg.norm_output and not spec_cfg.norm_before_fc
+    spec_cfg.transformer_layer_config._attn_implementation = "eager"
+    model = Eagle3DraftModel.from_pretrained(tmp_path / "spec", config=spec_cfg).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(torch.from_numpy(np.asarray(target.params["embed"].get_value())))
+    ids = np.random.default_rng(6).integers(0, V, (1, T))
+    aux = np.asarray(drafter.aux_hidden(ids))
+    theirs = ref.draft_logits(model, aux[0], np.append(ids[0, 1:], 0), steps=3)
+    ours = np.asarray(ttt_logits(drafter, ids, aux, 3))[:, 0]
+    for j in range(3):
+        assert rel_err(ours[j], theirs[j]) <= 1e-4, f"step {j}"
