@@ -348,7 +348,7 @@ def cuda_kernel_lowerings(check: Check) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxspec.models.kernels import grouped_int4, paged_mla
+    from jaxspec.models.kernels import grouped_int4, lowering_for_gpu, paged_mla
     from jaxspec.models.quant import Int4Array
 
     allow = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]  # never stored: no stability needed
@@ -361,7 +361,8 @@ def cuda_kernel_lowerings(check: Check) -> None:
     for n_in, n_out in ((7168, 2048), (2048, 7168)):
         w = Int4Array(sds((48, n_in // 2, n_out), jnp.uint8), sds((48, n_in // 32, n_out), jnp.bfloat16), 32)
         args = (sds((64, n_in), jnp.bfloat16), w, sds((64,), jnp.int32))
-        text = jax.export.export(jax.jit(grouped), platforms=["cuda"], disabled_checks=allow)(*args).mlir_module()
+        with lowering_for_gpu():
+            text = jax.export.export(jax.jit(grouped), platforms=["cuda"], disabled_checks=allow)(*args).mlir_module()
         calls = text.count(f"@{TRITON_CALL}(")
         check.emit(
             "kernels",
@@ -378,7 +379,8 @@ def cuda_kernel_lowerings(check: Check) -> None:
         args = (sds((2, 4, 64, 512), jnp.bfloat16), sds((2, 4, 64, 64), jnp.bfloat16), pool)
         args += (sds((2, 64), jnp.int32), sds((2, 4), jnp.int32))
         fn = jax.jit(functools.partial(paged_mla.paged_mla_attention, scale=0.13, backend="triton", layer=1))
-        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=allow)(*args).mlir_module()
+        with lowering_for_gpu():
+            text = jax.export.export(fn, platforms=["cuda"], disabled_checks=allow)(*args).mlir_module()
         calls = text.count(f"@{TRITON_CALL}(")
         fmt = "fp8" if fp8 else "bf16"
         check.emit(
@@ -435,18 +437,24 @@ def lower_step_for_cuda(impl: str, context: int) -> int:
     """Triton calls in the device-sized decode step (abstract weights, nothing allocated) lowered for CUDA."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding
 
     from jaxspec import KimiConfig, Target
+    from jaxspec.models.kernels import lowering_for_gpu
     from sharding.mesh import single_device_mesh
 
     cfg = KimiConfig.preset("kimi-k2.5").replace(num_hidden_layers=4, first_k_dense_replace=1)
-    t = Target.abstract(cfg, mesh=single_device_mesh(), dtype=jnp.bfloat16).with_expert_impl(impl)
+    mesh = single_device_mesh()
+    cpu = Target.abstract(cfg, mesh=mesh, dtype=jnp.bfloat16).with_expert_impl(impl)
     ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     cache = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 1, context + 64, cfg.latent_dim), jnp.bfloat16)
-    step = jax.jit(lambda p_, t_, q_, c_: t.apply(p_, t_, q_, c_)[0])
     allow = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-    text = jax.export.export(step, platforms=["cuda"], disabled_checks=allow)(t.params, ids, ids, cache).mlir_module()
-    return text.count(f"@{TRITON_CALL}(")
+    with lowering_for_gpu(mesh) as gpu:  # the same target on the mesh's axes over abstract GPUs
+        move = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(gpu, x.sharding.spec))
+        t = dataclasses.replace(cpu, mesh=gpu, params=jax.tree.map(move, cpu.params))
+        step = jax.jit(lambda p_, t_, q_, c_: t.apply(p_, t_, q_, c_)[0])
+        exported = jax.export.export(step, platforms=["cuda"], disabled_checks=allow)(t.params, ids, ids, cache)
+    return exported.mlir_module().count(f"@{TRITON_CALL}(")
 
 
 def steps(check: Check) -> None:
