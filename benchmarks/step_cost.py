@@ -113,22 +113,24 @@ def patched_routed_experts(fn):
         moe.routed_experts = saved
 
 
-def step_fn(target, tokens: int):
-    """A compiled cached step (batch 1, `tokens` tokens at positions START...) and its inputs."""
+def step_fn(target, tokens: int, *, cache_len: int = CACHE_LEN, start: int = START):
+    """A compiled cached step (batch 1, `tokens` tokens at positions start...) over a cache of `cache_len`
+    positions, and its inputs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     ids = jnp.asarray(np.random.default_rng(tokens).integers(0, target.config.vocab_size, (1, tokens)), jnp.int32)
-    pos = jnp.arange(START, START + tokens, dtype=jnp.int32)[None]
-    cache = target.init_cache(1, CACHE_LEN)
+    pos = jnp.arange(start, start + tokens, dtype=jnp.int32)[None]
+    cache = target.init_cache(1, cache_len)
     step = jax.jit(lambda p, t, q, c: target.apply(p, t, q, c)[0])
     compiled = step.lower(target.params, ids, pos, cache).compile()
     return compiled, (target.params, ids, pos, cache)
 
 
-def routing_hits(target, tokens: int) -> list[list[int]]:
-    """Distinct local experts hit per (MoE layer, device) by one step (a debug callback on the routing)."""
+def routing_hits(target, tokens: int, **step_kw) -> list[list[int]]:
+    """Distinct local experts hit per (MoE layer, device) by one step (a debug callback on the routing);
+    `step_kw` as `step_fn` takes them."""
     import collections
 
     import jax
@@ -151,14 +153,16 @@ def routing_hits(target, tokens: int) -> list[list[int]]:
         return real(x, idx, *args, **kw)
 
     with patched_routed_experts(spy):
-        compiled, args = step_fn(target, tokens)
+        compiled, args = step_fn(target, tokens, **step_kw)
     jax.block_until_ready(compiled(*args))
     jax.effects_barrier()
     return [[calls[d][layer] for d in range(n_dev)] for layer in range(target.config.num_moe_layers)]
 
 
-def floor_bytes(target, hits: list[list[int]]) -> float:
-    """Bytes the step must read, summed over devices: all non-expert weights + the hit experts."""
+def floor_bytes(target, hits: list[list[int]], *, embed_rows: int | None = None) -> float:
+    """Bytes the step must read, summed over devices: all non-expert weights + the hit experts. With
+    `embed_rows`, the embedding table counts only that many rows (a step looks up its tokens' rows, not the table;
+    where the vocabulary is large, as Kimi's 163840 x 7168, the whole table would dwarf what a step reads)."""
     from flax import nnx
 
     from sharding import inspect
@@ -171,6 +175,9 @@ def floor_bytes(target, hits: list[list[int]]) -> float:
             stack = inspect.param_bytes(var.get_value())
             total -= stack
             expert += stack / (cfg.num_moe_layers * cfg.n_routed_experts)
+    if embed_rows is not None:
+        table = inspect.param_bytes(target.params["embed"].get_value())
+        total -= table - table * embed_rows / cfg.vocab_size
     return total + expert * sum(sum(h) for h in hits)
 
 

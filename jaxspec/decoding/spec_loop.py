@@ -30,7 +30,7 @@ from jaxspec.decoding import tree
 from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
 from jaxspec.decoding.sampling import RowSampling, Sampling, sample, sample_rows, warp, warp_rows
 from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS
-from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState
+from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, sharded_like
 from jaxspec.models.eagle3 import concat_captured
 from jaxspec.runtime import Drafter, Target
 
@@ -64,7 +64,7 @@ class SpecLoop:
         chunk = cfg.prefill_chunk
 
         def body(s, c):
-            return self._prefill_chunk(cfg, tparams, dparams, s, c * chunk), None
+            return as_carry(self._prefill_chunk(cfg, tparams, dparams, s, c * chunk), s), None
 
         state, _ = jax.lax.scan(body, state, jnp.arange(cfg.prompt_bucket // chunk, dtype=jnp.int32))
         return state.replace(done_B=state.done_B | self._ends_at_first(cfg, state))
@@ -161,7 +161,7 @@ class SpecLoop:
         def cond(s: LoopState):
             return jnp.any(~s.done_B) & (s.cycles < limit)
 
-        return jax.lax.while_loop(cond, lambda s: self._cycle(cfg, tparams, dparams, s), state)
+        return jax.lax.while_loop(cond, lambda s: as_carry(self._cycle(cfg, tparams, dparams, s), s), state)
 
     def _catch_up(self, cfg: LoopConfig, dparams, s: LoopState) -> LoopState:
         """A lazy drafter behind its rows (plain cycles ran): draft-extend over the positions [drafted_B, length_B)
@@ -192,7 +192,7 @@ class SpecLoop:
                 key=key,
             )
 
-        return jax.lax.while_loop(lambda s: jnp.any(behind(s)), step, s)
+        return jax.lax.while_loop(lambda s: jnp.any(behind(s)), lambda s: as_carry(step(s), s), s)
 
     def _keep_aux(self, aux_BSI, captured, n_B):
         """A plain cycle's captured target states [X, B, 1, D] written at each row's position n_B of `aux_BSI` (its
@@ -329,6 +329,14 @@ class SpecLoop:
 
 
 # ---------------------------------------------------------------------- the phases of a cycle (traced)
+def as_carry(new: LoopState, old: LoopState) -> LoopState:
+    """`new` in `old`'s shardings, leaf by leaf. jax >= 0.11 requires a loop's carry to keep its shardings (0.10
+    resharded silently where they differed): the drafter's steps return its cache split as `Drafter.cache_specs`
+    says, which a caller's state may hold otherwise (the serving pool's window holds it unsplit). A no-op where
+    they agree."""
+    return jax.tree.map(sharded_like, new, old)
+
+
 def replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
     """`x` on every device of `mesh` (token choices and bookkeeping run replicated)."""
     return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))

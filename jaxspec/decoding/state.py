@@ -272,7 +272,8 @@ class LoopState:
                 return y
             at = [0] * x.ndim
             at[row] = start
-            return jax.lax.dynamic_update_slice(x, y, tuple(at))
+            # jax >= 0.11 refuses an update sharded otherwise than its operand, where 0.10 let it pass.
+            return jax.lax.dynamic_update_slice(x, sharded_like(y, x), tuple(at))
 
         return self._map(write, part)
 
@@ -284,6 +285,15 @@ class LoopState:
             leaves = (getattr(self, f.name), *(getattr(o, f.name) for o in others))
             new[f.name] = jax.tree.map(lambda *xs, axes=axes: fn(axes, *xs), *leaves)
         return self.replace(**new)
+
+
+def sharded_like(y: jax.Array, x: jax.Array) -> jax.Array:
+    """`y` in `x`'s sharding, where `x` has one on a mesh and `y`'s differs (else `y` as it is)."""
+    want = jax.typeof(x).sharding
+    mesh = getattr(want, "mesh", None)
+    if mesh is None or mesh.empty or jax.typeof(y).sharding == want:
+        return y
+    return jax.sharding.reshard(y, want)
 
 
 @struct.dataclass

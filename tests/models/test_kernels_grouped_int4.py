@@ -6,6 +6,7 @@ Triton (CUDA) lowerings in Python and emits the `tpu_custom_call` / `triton_kern
 (Mosaic's layout passes, ptxas) run only on the device: that part is checked by benchmarks/device_check.sh.
 """
 
+import contextlib
 import re
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models.kernels import grouped_int4
+from jaxspec.models.kernels import grouped_int4, lowering_for_gpu
 from jaxspec.models.quant import Int4Array, quantize
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -107,7 +108,9 @@ def export_text(backend: str, platform: str, n_in: int, n_out: int, rows: int) -
 
     # Triton kernel calls carry no cross-version stability guarantee: allow them (this export is never stored).
     allow = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-    return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=allow)(x, w, expert).mlir_module()
+    target = lowering_for_gpu() if platform == "cuda" else contextlib.nullcontext()  # jax >= 0.11 needs the GPU named
+    with target:
+        return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=allow)(x, w, expert).mlir_module()
 
 
 def check_kernel_call(text: str, target: str, kernel: str, n_in: int, n_out: int, rows: int) -> None:
