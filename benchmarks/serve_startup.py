@@ -1,9 +1,12 @@
 """Seconds from launching `jaxspec serve` until /health answers 200, for the defaults (bundled pair) and for a
 small configuration: adaptive (`--num-steps auto`, the default) and a fixed k, cold, and with `--compilation-cache`
-cold (an empty cache) and restarted (the cache the cold launch wrote). Warm-up compiles every program before /health
-answers, so this is what a new user waits.
+cold (an empty cache) and restarted (the cache the cold launch wrote); and the defaults as one server of 2 processes
+x 4 CPU devices on a 1x8 mesh (`defaults-2proc`, the multi-host rehearsal). Warm-up compiles every program before
+/health answers, so this is what a new user waits. With each: the memory maps each process held at /health (XLA:CPU
+keeps every compiled program in maps of its own, and Linux's default limit is 65,530 per process: startup.py).
 
     python benchmarks/serve_startup.py
+    python benchmarks/serve_startup.py --configs defaults,defaults-2proc
     python benchmarks/serve_startup.py --configs small-k4,small-auto,small-auto-cache,small-auto-cache-restart
 
 Writes benchmarks/results/serve_startup.{json,md}, with the load average before and after each launch (the
@@ -34,7 +37,9 @@ CONFIGS = {
     "small-auto": SMALL,
     "small-auto-cache": [*SMALL, "--compilation-cache", CACHE],  # cold: the cache is empty
     "small-auto-cache-restart": [*SMALL, "--compilation-cache", CACHE],  # the programs the launch before wrote
+    "defaults-2proc": [],  # as 2 processes (PROCESSES)
 }
+PROCESSES = {"defaults-2proc": 2}  # the others: one process on one device
 
 
 def free_port() -> int:
@@ -43,26 +48,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_to_health(flags: list[str], log: Path, limit: float) -> float:
-    """Launch `jaxspec serve flags`, wait for /health 200, stop it; the seconds it took."""
+def time_to_health(flags: list[str], log: Path, limit: float, processes: int = 1) -> tuple[float, list[int]]:
+    """Launch `jaxspec serve flags` (as `processes` processes of 4 CPU devices on one 1x8 mesh when more than one),
+    wait for /health 200, stop it; (the seconds it took, each process's memory maps then)."""
     port = free_port()
-    argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), *flags]
+    argv = [[sys.executable, "-m", "jaxspec", "serve", "--port", str(port), *flags]]
+    if processes > 1:
+        coordinator = f"127.0.0.1:{free_port()}"
+        argv = [
+            [sys.executable, "-m", "jaxspec", "--cpu-devices", "4", "--coordinator", coordinator, "--num-processes",
+             str(processes), "--process-id", str(i), "serve", "--mesh", "1x8", "--port", str(port), *flags]
+            for i in range(processes)
+        ]  # fmt: skip
+    logs = [log.with_suffix(f".{i}.log") if processes > 1 else log for i in range(processes)]
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+    procs = [
+        subprocess.Popen(a, stdout=f.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+        for a, f in zip(argv, logs, strict=True)
+    ]
     try:
         while time.monotonic() - start < limit:
-            if proc.poll() is not None:
-                raise SystemExit(f"serve_startup: the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            for proc, f in zip(procs, logs, strict=True):
+                if proc.poll() is not None:
+                    raise SystemExit(f"serve_startup: a server exited ({proc.returncode}):\n{f.read_text()[-3000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - start
+                    return time.monotonic() - start, [maps(proc.pid) for proc in procs]
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        raise SystemExit(f"serve_startup: no /health 200 within {limit:.0f} s; log: {log}")
+        raise SystemExit(f"serve_startup: no /health 200 within {limit:.0f} s; logs: {logs}")
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=120)
+
+
+def maps(pid: int) -> int:
+    """The memory maps process `pid` holds (Linux)."""
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        return sum(1 for _ in f)
 
 
 def main() -> int:
@@ -76,12 +102,17 @@ def main() -> int:
     for name in args.configs.split(","):
         flags = [str(work / "cache") if f == CACHE else f for f in CONFIGS[name]]
         load_before = os.getloadavg()
-        seconds = time_to_health(flags, work / f"{name}.log", args.limit)
+        processes = PROCESSES.get(name, 1)
+        seconds, held = time_to_health(flags, work / f"{name}.log", args.limit, processes)
+        command = shlex.join(["jaxspec", "serve", *CONFIGS[name]]).replace("'{cache}'", "DIR")
+        if processes > 1:
+            command += f" ({processes} processes x 4 CPU devices, --mesh 1x8)"
         runs.append(
             {
                 "config": name,
-                "command": shlex.join(["jaxspec", "serve", *CONFIGS[name]]).replace("'{cache}'", "DIR"),
+                "command": command,
                 "seconds_to_health": round(seconds, 1),
+                "maps_per_process": held,
                 "loadavg_before": [round(x, 2) for x in load_before],
                 "loadavg_after": [round(x, 2) for x in os.getloadavg()],
             }
@@ -101,12 +132,15 @@ def report(result: dict) -> str:
         f"{result['cpus']}-core machine with other jobs running beside it: the load averages (1, 5, 15 min, "
         "`os.getloadavg()`) say how busy it was, and the times are noisy.",
         "",
-        "| configuration | command | seconds to /health | load before | load after |",
-        "|---|---|---|---|---|",
+        "| configuration | command | seconds to /health | memory maps per process | load before | load after |",
+        "|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         load = [", ".join(f"{x:.1f}" for x in r[k]) for k in ("loadavg_before", "loadavg_after")]
-        lines.append(f"| {r['config']} | `{r['command']}` | {r['seconds_to_health']:.0f} | {load[0]} | {load[1]} |")
+        held = ", ".join(f"{n:,}" for n in r.get("maps_per_process", []))
+        lines.append(
+            f"| {r['config']} | `{r['command']}` | {r['seconds_to_health']:.0f} | {held} | {load[0]} | {load[1]} |"
+        )
     return "\n".join(lines) + "\n"
 
 

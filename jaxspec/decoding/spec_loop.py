@@ -267,7 +267,7 @@ class SpecLoop:
             token_B, q_BV, h2_BD, cache = draft_step(
                 self.drafter, dparams, token_B, hidden_BD, (n_B + j - 1)[:, None], cache, k, sampling
             )
-            return (token_B, h2_BD.astype(hidden_BD.dtype), cache), (token_B, q_BV)
+            return as_carry((token_B, h2_BD.astype(hidden_BD.dtype), cache), carry), (token_B, q_BV)
 
         steps = (jnp.arange(1, J, dtype=jnp.int32), _split(key, J - 1))
         (_, _, cache), (tokens_NB, q_NBV) = jax.lax.scan(step, (s.draft_B, s.hidden_BD, s.draft_cache), steps)

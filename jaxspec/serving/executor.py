@@ -30,7 +30,7 @@ from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, PrefillChunk, RowResult, Segment, StepPlan, StepResult
-from jaxspec.serving.startup import CPU_COMPILER_OPTIONS
+from jaxspec.serving.startup import cpu_compiler_options
 from sharding.multihost import put_global, to_host
 
 
@@ -86,8 +86,8 @@ class Executor:
         self._greedy_leaves_q = self.drafter is not None and not draft.tree
         self._q_stale = False
         self.blocks, self.block = pool
-        platform = target.mesh.devices.flat[0].platform
-        self._program = _PROGRAMS.get(platform, _PROGRAMS[None])
+        cpu = target.mesh.devices.flat[0].platform == "cpu"
+        self._program = _segment_program(cpu_compiler_options() if cpu else ())
         self.reset()
 
     def reset(self) -> None:
@@ -284,10 +284,12 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
     return state.replace(aux_BSI=kept), pool  # a chain segment only reads the kept states (its catch-up)
 
 
-# The segment program, as compiled for each backend: on XLA:CPU with the options that hold it in fewer memory maps
-# (startup.py: a server keeps dozens of these programs, and a process's maps are limited).
-_jit_program = functools.partial(jax.jit, _prefill_and_run, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
-_PROGRAMS = {"cpu": _jit_program(compiler_options=CPU_COMPILER_OPTIONS), None: _jit_program()}
+@functools.cache
+def _segment_program(options: tuple[tuple[str, Any], ...] = ()):
+    """The segment program, jitted with XLA `options` (on XLA:CPU those that hold it in fewer memory maps: startup.py;
+    a server keeps dozens of these programs, and a process's maps are limited)."""
+    jit = functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
+    return jit(_prefill_and_run, compiler_options=dict(options)) if options else jit(_prefill_and_run)
 
 
 # What plain cycles on a state with a lazy drafter neither read nor write (the drafter's current draft and the

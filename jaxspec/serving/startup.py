@@ -15,25 +15,54 @@ their code onto the device: neither check applies there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
+from typing import Any
 
 # The serving programs' XLA:CPU options. Without them each fused computation is a kernel of its own (the MLIR fusion
 # emitters), compiled and linked as its own object, and the rest is split over up to 32 objects for parallel codegen
 # (2 cores here). With them the fusions go into one LLVM module linked as one object. Measured on the bundled pair
 # (benchmarks/serve_maps.py): the maps of the segment programs fall by 46%, their compile time by ~20%, and their run
 # time is unchanged within the machine's noise.
+# Newer XLA:CPU drops options (jax 0.12 has no xla_cpu_use_fusion_emitters: its fusion emitters are the only ones), so
+# a server uses those its jaxlib knows (`cpu_compiler_options`).
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
 
-# The maps one program takes with CPU_COMPILER_OPTIONS, by kind, measured on the bundled pair (the largest over the
-# batch and context buckets, rounded up; tests/serving/test_startup.py checks each against a compile): a segment
-# program by (chain, per-row), and the programs every start-up compiles once (admit, free, the prefill chunks run
-# alone, a row's logprobs).
+# The maps one program takes, by kind, measured on the bundled pair (the largest over the batch and context buckets,
+# rounded up; tests/serving/test_startup.py checks the table in use against a compile): a segment program by (chain,
+# per-row), and the programs every start-up compiles once (admit, free, the prefill chunks run alone). With the
+# one-module option (jax 0.10, 0.11), and without it (jax 0.12: each fusion is an object of its own).
 SEGMENT_MAPS = {(False, False): 750, (False, True): 850, (True, False): 850, (True, True): 1350}
-FIXED_MAPS = 600
+SEGMENT_MAPS_PER_FUSION = {(False, False): 1500, (False, True): 1650, (True, False): 1650, (True, True): 2050}
+FIXED_MAPS = 1100
 # The share of the limit a start-up may plan to use: the rest is for what the process maps besides (threads'
 # stacks, sockets, a compile's own working maps).
 HEADROOM = 0.9
 DEFAULT_MAP_LIMIT = 65_530  # Linux's default vm.max_map_count
+
+
+@functools.cache
+def cpu_compiler_options() -> tuple[tuple[str, Any], ...]:
+    """The `CPU_COMPILER_OPTIONS` this jaxlib's XLA:CPU accepts, as (name, value) pairs (each tried on a one-op
+    program once per process; an unknown option fails the compile)."""
+    import jax
+    import numpy as np
+
+    x = jax.device_put(np.float32(0), jax.devices("cpu")[0])
+    known = []
+    for name, value in CPU_COMPILER_OPTIONS.items():
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(x).compile()
+        except jax.errors.JaxRuntimeError:
+            continue
+        known.append((name, value))
+    return tuple(known)
+
+
+def segment_maps() -> dict[tuple[bool, bool], int]:
+    """The per-program table for this jaxlib: `SEGMENT_MAPS` when its XLA:CPU takes the one-module option."""
+    one_module = "xla_cpu_use_fusion_emitters" in dict(cpu_compiler_options())
+    return SEGMENT_MAPS if one_module else SEGMENT_MAPS_PER_FUSION
 
 
 class StartupError(RuntimeError):
@@ -81,9 +110,10 @@ class Programs:
     def count(self) -> int:
         return len(self.buckets) * len(self.contexts) * len(self.shapes) * len(self.programs)
 
-    def estimated_maps(self) -> int:
-        """The memory maps these programs take on XLA:CPU (`SEGMENT_MAPS`, `FIXED_MAPS`)."""
-        per_cell = sum(SEGMENT_MAPS[(not s.plain, not greedy)] for s in self.shapes for greedy in self.programs)
+    def estimated_maps(self, table: dict | None = None) -> int:
+        """The memory maps these programs take on XLA:CPU (`table`, default `segment_maps()`; `FIXED_MAPS`)."""
+        table = table or segment_maps()
+        per_cell = sum(table[(not s.plain, not greedy)] for s in self.shapes for greedy in self.programs)
         return FIXED_MAPS + len(self.buckets) * len(self.contexts) * per_cell
 
     def describe(self) -> str:
