@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -121,6 +122,14 @@ def _num_steps(args, bundled: bool) -> tuple[int, bool]:
     if not args.drafter:
         log.info("--num-steps auto without --drafter: plain decoding")
         return 0, False
+    path = _tune_json(args, bundled)
+    k = recommended_shape(path).num_steps if path is not None else 3
+    log.info("--num-steps auto: per segment, plain decoding or a chain of k = %d (%s)", k, path or "no --tune")
+    return k, True
+
+
+def _tune_json(args, bundled: bool) -> Path | None:
+    """--tune DIR's tune.json (for the bundled pair, its committed tuning result), None without one."""
     path = args.tune / "tune.json" if args.tune is not None else None
     if path is None and bundled:
         from jaxspec.bundled import ROOT
@@ -128,9 +137,16 @@ def _num_steps(args, bundled: bool) -> tuple[int, bool]:
         path = ROOT.parent.parent / "benchmarks" / "results" / "tune_bundled" / "tune.json"
     if path is not None and not path.is_file():
         raise SystemExit(f"jaxspec serve: --num-steps auto: {path} not found (run 'jaxspec tune')")
-    k = recommended_shape(path).num_steps if path is not None else 3
-    log.info("--num-steps auto: per segment, plain decoding or a chain of k = %d (%s)", k, path or "no --tune")
-    return k, True
+    return path
+
+
+def _recorded_acceptance(path: Path | None) -> list[float] | None:
+    """The drafter's conditional acceptance per draft position that tune.json measured (its deepest chain's), the
+    adaptive policy's prior; None without a tune.json or a measured chain."""
+    if path is None:
+        return None
+    rows = [r for r in json.loads(path.read_text()).get("rows", []) if r.get("measured_acceptance")]
+    return max(rows, key=lambda r: len(r["measured_acceptance"]))["measured_acceptance"] if rows else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,7 +201,10 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
             return 0
     metrics = Metrics(config.draft, config.max_batch, pool_blocks=config.pool_blocks)
-    engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel)
+    acceptance = _recorded_acceptance(_tune_json(args, bundled)) if adaptive else None
+    engine = Engine(
+        target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel, acceptance=acceptance
+    )
     try:
         engine.warmup(log.info)
     except StartupError as e:

@@ -10,11 +10,17 @@ online, from the executor's `StepResult`s:
   by DECAY per drafting segment (a chain's a_j is a property of the drafter on the traffic, not of its depth, so
   every chain shares them).
 A segment over a bucket of rows, n of them generating, runs the shape of highest predicted throughput n E / T (the
-cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). Learning what a shape costs costs time
-where it loses, so:
-- a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there runs again unless it is
-  predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING times too slow to hide
-  the fastest shape); the candidates timed fewest times run first, so their measurements interleave;
+cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). A fresh server starts from what is known
+before its first request, so its first segments already run the predicted best: each shape's cycle time per row
+bucket timed at warm-up (`calibrate`: the engine runs every compiled shape over live rows of every bucket once more
+after compiling it, a calibration measurement standing for FIRST online ones), and the drafter's recorded acceptance
+(`prior`: tune.json's measured a_j, worth PRIOR_ROW_CYCLES row-cycles of counters, which the online counters outweigh
+after a few segments). Learning what a shape costs costs time where it loses, so:
+- a chain whose acceptance nothing has measured or given runs first (one drafting segment measures it);
+- a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there (and not calibrated)
+  runs again unless it is predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING
+  times too slow to hide the fastest shape); the candidates timed fewest times run first, so their measurements
+  interleave;
 - afterwards a candidate that is not chosen runs again once the time spent without it reaches its own segment time x
   (the best prediction / its prediction) / EXPLORE_SHARE (its cost, and a chain's acceptance, would go stale
   otherwise). A candidate at x = its prediction / the best's then takes about EXPLORE_SHARE x x of the time and
@@ -45,6 +51,7 @@ DECAY = 0.9  # weight of the acceptance counters before a drafting segment's
 EXPLORE_SHARE = 0.02  # time share re-measuring a candidate predicted as fast as the chosen one (less if slower)
 FEED = 0.8  # rows are fed the drafter at prefill unless every chain is predicted below this fraction of plain's
 FEED_EVERY = 8  # ... and then every FEED_EVERY-th admission all the same
+PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
 
 
 class DraftPolicy:
@@ -64,6 +71,36 @@ class DraftPolicy:
         self.predicted: float | None = None  # tokens/s predicted for the last chosen segment (None: not yet timed)
         self._expected: dict[int, float] = {}  # draft depth -> E under the current counters (until they change)
         self._unfed = 0  # admissions not fed the drafter in a row
+        self._calibrated: set[tuple[DraftShape, int]] = set()  # (shape, row bucket) timed at warm-up
+
+    def prior(self, acceptance) -> None:
+        """The drafter's recorded conditional acceptance a_j per draft position (e.g. tune.json's), as counters
+        worth PRIOR_ROW_CYCLES row-cycles: the first segments predict from it, and online counters outweigh it."""
+        a = np.clip(np.nan_to_num(np.asarray(acceptance, np.float64)[: self.depth]), 0.0, 1.0)
+        reached = np.zeros(self.depth)
+        reached[: len(a)] = PRIOR_ROW_CYCLES
+        self.reached, self.accepted = (
+            self.reached + reached,
+            self.accepted + np.pad(a, (0, self.depth - len(a))) * reached,
+        )
+        self._expected.clear()
+
+    def since(self, counters: Counters) -> None:
+        """Learn only from what the loop counts after `counters` (a fresh policy over a used loop state: the
+        warm-up's dummy requests are not traffic)."""
+        self._last = counters
+
+    def calibrate(self, shape: DraftShape, rows: int, seconds_per_cycle: float) -> None:
+        """A cycle time of `shape` over a bucket of `rows` rows measured before serving (warm-up): the policy trusts
+        it as FIRST online measurements (which then replace it)."""
+        if shape not in self.shapes or not seconds_per_cycle > 0:
+            raise ValueError(
+                f"DraftPolicy.calibrate: a positive time of one of {self.shapes}, got {shape}, {seconds_per_cycle}"
+            )
+        key = (shape, rows)
+        self._recent.setdefault(key, collections.deque(maxlen=RECENT)).append(seconds_per_cycle)
+        self.cycle_seconds[key] = float(np.median(self._recent[key]))
+        self._calibrated.add(key)
 
     def acceptance(self) -> np.ndarray:
         """The decayed a_j per draft position (NaN where never reached)."""
@@ -84,7 +121,14 @@ class DraftPolicy:
         timed = {s: len(self._recent.get((s, rows), ())) for s in self.shapes}
         predicted = {s: self.predict(s, rows, generating) for s in self.shapes if timed[s]}
         best = max(predicted.values(), default=None)
-        learning = [s for s in self.shapes if not timed[s] or (timed[s] < FIRST and predicted[s] >= LOSING * best)]
+        unmeasured = not self.reached.any()  # no chain's acceptance measured or given
+        learning = [
+            s
+            for s in self.shapes
+            if not timed[s]
+            or (unmeasured and not s.plain)
+            or (timed[s] < FIRST and (s, rows) not in self._calibrated and predicted[s] >= LOSING * best)
+        ]
         if learning:
             shape = min(learning, key=timed.get)  # the first of the fewest timed
         else:
@@ -145,6 +189,37 @@ class DraftPolicy:
             self.reached = DECAY * self.reached + reached
             self.accepted = DECAY * self.accepted + np.asarray(delta.accepted[: self.depth], np.float64)
             self._expected.clear()
+
+
+class Calibration:
+    """The scheduler's policy during the warm-up's calibration: every segment runs `shape` (set by the caller), every
+    row is fed the drafter, and each segment that ran only cycles is timed per cycle by (shape, row bucket)."""
+
+    predicted = None
+
+    def __init__(self, shape: DraftShape):
+        self.shape = shape
+        self.times: dict[tuple[DraftShape, int], list[float]] = collections.defaultdict(list)
+        self._last: Counters | None = None
+
+    def choose(self, rows: int, generating: int) -> DraftShape:
+        return self.shape
+
+    def feeds_drafter(self) -> bool:
+        return True
+
+    def admitted(self, fed: bool) -> None:
+        pass
+
+    def observe(self, segment: Segment, counters: Counters, seconds: float | None) -> None:
+        cycles = counters.cycles - (self._last.cycles if self._last is not None else counters.cycles)
+        self._last = counters
+        if seconds is not None and cycles > 0:
+            self.times[(segment.draft, segment.rows)].append(seconds / cycles)
+
+    def seconds_per_cycle(self) -> dict[tuple[DraftShape, int], float]:
+        """The median cycle time per (shape, row bucket) timed."""
+        return {key: float(np.median(times)) for key, times in self.times.items()}
 
 
 def measured_tokens_per_second(delta: Counters, seconds: float) -> float:

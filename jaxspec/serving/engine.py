@@ -26,7 +26,7 @@ import jax
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.serving import fanout
-from jaxspec.serving.adaptive import DraftPolicy, measured_tokens_per_second
+from jaxspec.serving.adaptive import Calibration, DraftPolicy, measured_tokens_per_second
 from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import RowAdmission, Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler, StepReport
@@ -159,10 +159,19 @@ class Engine:
     yourself (tests). `submit` and `cancel` are thread-safe."""
 
     def __init__(
-        self, target, drafter, config: EngineConfig = EngineConfig(), *, stop_ids=(), metrics=None, channel=None
+        self,
+        target,
+        drafter,
+        config: EngineConfig = EngineConfig(),
+        *,
+        stop_ids=(),
+        metrics=None,
+        channel=None,
+        acceptance=None,
     ):
         """`channel`: a `fanout.PlanChannel` when the mesh spans several processes (this is process 0): every plan
-        goes to the other processes before it runs here."""
+        goes to the other processes before it runs here. `acceptance`: the drafter's recorded conditional acceptance
+        per draft position (tune.json's), the adaptive policy's prior until it has measured its own."""
         draft = config.draft
         if not draft.plain and drafter is None:
             raise ValueError(f"num_steps={draft.num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
@@ -175,7 +184,7 @@ class Engine:
                 f"EngineConfig.max_context {config.max_context} exceeds the model's context of "
                 f"{target.config.max_position_embeddings} positions"
             )
-        self.target, self.config, self.metrics = target, config, metrics
+        self.target, self.config, self.metrics, self.acceptance = target, config, metrics, acceptance
         self.stop_ids = tuple(sorted(set(target.config.stop_token_ids) | set(stop_ids)))
         self.scheduler = Scheduler(
             config, draft, vocab_size=target.vocab_size, stop_ids=self.stop_ids, shapes=config.shapes
@@ -301,14 +310,42 @@ class Engine:
         self.step()
         self.cancel(second)
         self.run_until_idle()
-        seconds = time.perf_counter() - start
         used = f", {maps_in_use() - budget.start:,} memory maps (limit {budget.limit:,})" if budget else ""
-        on_progress(f"warm-up done: {programs.count} segment programs in {seconds:.1f}s{used}")
+        policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
+        if len(cfg.shapes) > 1:  # a fresh server's first segments run the predicted best shape, not a guess
+            for (shape, rows), t in self._calibrate().items():
+                policy.calibrate(shape, rows, t)
+            if self.acceptance is not None:
+                policy.prior(self.acceptance)
+            on_progress(f"  draft shapes timed over every batch bucket ({time.perf_counter() - start:.1f}s)")
+        policy.since(self.executor.counters())
+        self.scheduler.policy = policy
+        seconds = time.perf_counter() - start
         self.metrics = metrics
-        self.scheduler.policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
         s = self.scheduler
         self._pool_seen = (s.preemptions, s.tables.queries, s.tables.hits)
+        on_progress(f"warm-up done: {programs.count} segment programs in {seconds:.1f}s{used}")
         return seconds
+
+    def _calibrate(self) -> dict:
+        """Each draft shape's cycle time per row bucket, from dummy requests filling every bucket in turn (the
+        programs are compiled by now), the scheduler driving them with a `Calibration` policy: {(shape, rows):
+        seconds per cycle}. Nothing when a request of two segments' tokens does not fit a slot."""
+        cfg = self.config
+        tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1)
+        if self.check(3, tokens) is not None:
+            return {}
+        real, self.scheduler.policy = self.scheduler.policy, Calibration(cfg.shapes[0])
+        try:
+            for shape in cfg.shapes:
+                self.scheduler.policy.shape = shape
+                for rows in cfg.buckets:
+                    for _ in range(rows):
+                        self.submit(Request([1] * 3, tokens))
+                    self.run_until_idle()
+            return self.scheduler.policy.seconds_per_cycle()
+        finally:
+            self.scheduler.policy = real
 
     # ------------------------------------------------------------------ internals
     def _run(self, plan: StepPlan) -> StepResult:

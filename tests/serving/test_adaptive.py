@@ -253,6 +253,53 @@ def test_the_policy_times_each_shape_first_then_runs_the_predicted_fastest(accep
     assert policy.choose(1, 1) == PLAIN  # another bucket: timed on its own
 
 
+@pytest.mark.parametrize(
+    ("acceptance", "chain_cost", "first"), [(0.9, 2.0, CHAIN), (0.2, 2.0, PLAIN), (0.9, 4.5, PLAIN)]
+)
+def test_a_calibrated_policy_with_a_recorded_acceptance_runs_the_predicted_best_from_the_first_segment(
+    acceptance, chain_cost, first
+):
+    """Cycle times timed at warm-up (`calibrate`) and tune.json's acceptance (`prior`): the first segment already runs
+    the shape of highest n E / T, with no learning segments; online counters then outweigh the prior (a chain that
+    accepts nothing on the traffic is dropped within a few segments)."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    policy.calibrate(PLAIN, 2, 0.01)
+    policy.calibrate(CHAIN, 2, 0.01 * chain_cost)
+    policy.prior([acceptance] * NUM_STEPS)
+    e = 1 + sum(acceptance ** (j + 1) for j in range(NUM_STEPS))
+    assert first == (CHAIN if e / chain_cost > 1 else PLAIN)
+    assert policy.choose(2, 2) == first
+    if first == CHAIN:  # the traffic disagrees with the prior: plain within a few segments
+        chosen = []
+        for _ in range(4):
+            shape = policy.choose(2, 2)
+            chosen.append(shape)
+            loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted=0)
+        assert chosen[-1] == PLAIN and chosen.count(CHAIN) <= 3, chosen
+
+
+def test_a_calibrated_policy_without_a_recorded_acceptance_drafts_once_to_measure_it():
+    """Times known, acceptance not: the chain runs one segment (its acceptance measured), then the predicted best."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    policy.calibrate(PLAIN, 2, 0.01)
+    policy.calibrate(CHAIN, 2, 0.02)
+    assert policy.choose(2, 2) == CHAIN
+    loop.run(policy, CHAIN, 0.02, accepted=0)
+    assert policy.choose(2, 2) == PLAIN
+    with pytest.raises(ValueError, match="DraftPolicy.calibrate"):
+        policy.calibrate(DraftShape(NUM_STEPS + 1), 2, 0.01)
+
+
+def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
+    """An adaptive engine's policy starts with a cycle time for every (shape, batch bucket), measured over live rows
+    after the programs compiled, and with none of the warm-up's dummy counters (a chain's acceptance unmeasured)."""
+    engine = warm_engine(pair, CONFIG)  # a fresh engine (its programs are the module's, compiled once)
+    policy = engine.scheduler.policy
+    assert set(policy.cycle_seconds) == {(s, b) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
+    assert all(t > 0 for t in policy.cycle_seconds.values())
+    assert not policy.reached.any() and policy.choose(2, 2) == CHAIN
+
+
 @pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 3.0), (0, 1.5), (1, 2.5)])
 def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time(accepted, chain_cost):
     """With the chain losing (x = its predicted throughput / plain decoding's), it runs again once the time spent

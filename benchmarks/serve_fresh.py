@@ -1,0 +1,97 @@
+"""A fresh server's first requests: adaptive speculation (`--num-steps auto`) against a fixed chain and plain
+decoding, each engine new, nothing discarded (in-process, no HTTP).
+
+What a user of a just-started `jaxspec serve` gets: per case and concurrency c, three engines are built and warmed
+up anew (8 slots, batch buckets 1 and 8, 256 positions per slot, the k = 4 chain the bundled tune.json recommends):
+fixed k = 4, plain decoding (k = 0, no drafter), and auto (per segment plain or the chain; its warm-up times every
+shape over live rows of every bucket, and with the bundled pair it starts from tune.json's recorded acceptance, as
+`jaxspec serve` does). c clients then send 16 greedy requests of --max-tokens tokens in all (16 / c each, one after
+the other), the three engines served in lockstep (serve_engine.py's `lockstep`: one step each in a shuffled order,
+so other work on this shared machine falls on every engine alike); tokens/s is each engine's tokens over its own
+steps' seconds, from its first request. Cases: the bundled pair, and the bundled target with a scrambled drafter
+(serve_adaptive.py's `scrambled`: it accepts almost nothing; no tune.json, so no recorded acceptance). Every engine
+of a case must produce the same tokens (asserted: greedy output does not depend on the draft).
+
+    python benchmarks/serve_fresh.py      # writes benchmarks/results/serve_fresh.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from serve_adaptive import scrambled  # this directory (run as a script)
+from serve_engine import Clients, lockstep
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUESTS = 16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_fresh.json")
+    args = p.parse_args()
+    from jaxspec import bundled
+    from jaxspec.cli.serve import _recorded_acceptance
+    from jaxspec.decoding import DraftShape
+    from jaxspec.serving.engine import Engine, EngineConfig
+
+    target, drafter, tokenizer = bundled.load_pair()
+    prompts = [tokenizer.encode(p)[:128] for p in bundled.prompts()]
+    tune = ROOT / "benchmarks" / "results" / "tune_bundled" / "tune.json"
+    config = EngineConfig(max_batch=8, max_context=256, draft=DraftShape(4), batch_buckets=(1, 8))
+    cases = {"bundled pair": (drafter, _recorded_acceptance(tune)), "poor drafter": (scrambled(drafter), None)}
+    order, results = np.random.default_rng(0), {}
+    load_before = os.getloadavg()
+    for case, (d, acceptance) in cases.items():
+        for c in (1, 8):
+            stop = tokenizer.stop_ids
+            engines = {
+                "k=4": Engine(target, d, config, stop_ids=stop),
+                "plain": Engine(target, None, dataclasses.replace(config, draft=DraftShape(0)), stop_ids=stop),
+                "auto": Engine(
+                    target, d, dataclasses.replace(config, adaptive=True), stop_ids=stop, acceptance=acceptance
+                ),
+            }
+            for e in engines.values():
+                e.warmup(lambda _: None)
+            clients = {name: Clients(e, prompts, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
+            lockstep(clients, order)
+            tokens = {name: client.tokens for name, client in clients.items()}
+            assert tokens["auto"] == tokens["k=4"] == tokens["plain"], f"{case} c={c}: the engines' tokens differ"
+            rates = {name: client.rate for name, client in clients.items()}
+            better = max(rates["k=4"], rates["plain"])
+            results[f"{case} c={c}"] = {"tok_s": rates, "auto_over_better": rates["auto"] / better}
+            print(case, c, json.dumps(results[f"{case} c={c}"]), flush=True)
+    record = {
+        "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens}",
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "results": results,
+    }
+    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        "# A fresh server's first requests: auto vs a fixed chain and plain decoding",
+        "",
+        f"Written by `{record['command']}` ({REQUESTS} requests per case and concurrency, each engine new). CPU only, "
+        f"the project's shared {record['cpus']}-core machine: load average (1, 5, 15 min) "
+        f"{', '.join(f'{x:.1f}' for x in load_before)} before, "
+        f"{', '.join(f'{x:.1f}' for x in record['load_average_after'])} after.",
+        "",
+        "| case | k=4 tok/s | plain tok/s | auto tok/s | auto / the better |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        m = r["tok_s"]
+        lines.append(f"| {name} | {m['k=4']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {r['auto_over_better']:.3f} |")
+    args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
