@@ -294,7 +294,6 @@ def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = Non
     weights; `abstract`: shapes only (nothing allocated). `devices`: what the mesh (and --devices) draws from
     (default: all of JAX's), e.g. a TPU slice's compile-only devices. --kv-cache-dtype, where the command has it,
     sets the cache format."""
-    import jax
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target, load_target
@@ -311,12 +310,10 @@ def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = Non
     kv = getattr(args, "kv_cache_dtype", "auto")
     dtype = jnp.dtype(args.dtype or "bfloat16")  # a preset, or a plan: the deployment's dtype
     if args.model:
-        if not abstract:  # a checkpoint to run here
-            platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-            dtype, _ = default_dtype(args.dtype, args.model, platform)
         if abstract:
             cfg = KimiConfig.from_pretrained(args.model)
             return Target.abstract(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model
+        dtype, _ = default_dtype(args.dtype, args.model, mesh.devices.flat[0].platform)  # a checkpoint run here
         return load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model
     name = args.preset or "tiny"
     cfg = KimiConfig.preset(name)
