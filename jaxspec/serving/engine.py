@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from jaxspec.decoding.draft_shape import DraftShape
-from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import RowSpec, Sampling
 from jaxspec.serving import fanout
 from jaxspec.serving.adaptive import DraftPolicy, measured_tokens_per_second
 from jaxspec.serving.executor import Executor
@@ -272,7 +272,7 @@ class Engine:
             f"compiling {programs.describe()}{maps}: {cfg.max_batch} slots x {cfg.max_context} positions, prefill "
             f"chunk {cfg.prefill_chunk}, {cfg.segment_cycles} cycles per segment, {jax.process_count()} process(es)"
         )
-        self.submit(Request([1] * 3, 2 + draft.num_steps, Sampling(1.0), seed=0))
+        self.submit(Request([1] * 3, 2 + draft.num_steps, RowSpec(Sampling(1.0), seed=0)))
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
         before, compiled = maps_in_use(), 0

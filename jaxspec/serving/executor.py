@@ -118,8 +118,7 @@ class Executor:
                 self.tables[b.row, : len(b.blocks)] = b.blocks
             self._tables = put_global(self.tables.copy(), self.state.tokens_BS.sharding)
         for a in plan.admit:
-            row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
-            init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos, a.first)
+            init = RowInit.of(a.prompt, a.max_new, a.spec, self.max_context, a.first)
             self.state = _admit(self.state, np.int32(a.row), init)
         if plan.prefill and plan.segment is None:  # the chunks alone: no row is generating
             self._run_program(plan.prefill)
@@ -169,7 +168,7 @@ class Executor:
         if not plan.read:
             return ()
         s = self.state
-        host = (s.tokens_BS, s.prompt_len_B, s.end_B, s.done_B, s.wants_logprobs_B)
+        host = (s.tokens_BS, s.prompt_len_B, s.end_B, s.done_B, s.settings.logprobs_B)
         tokens_BS, prompt_len_B, end_B, done_B, wants_B = to_host(host)  # one read per step, not per row
         results = []
         for r in plan.read:
@@ -326,5 +325,5 @@ def _fix_greedy_q(state: LoopState) -> LoopState:
     would have left it (a point mass on its draft token; the greedy program keeps a placeholder there)."""
     q_BV = state.draft_q_BV
     point_BV = jax.nn.one_hot(state.draft_B, q_BV.shape[1], dtype=q_BV.dtype)
-    greedy_B = state.row_sampling.temperature_B == 0
+    greedy_B = state.settings.sampling.temperature_B == 0
     return state.replace(draft_q_BV=jnp.where(greedy_B[:, None], point_BV, q_BV))

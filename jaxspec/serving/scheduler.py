@@ -236,7 +236,7 @@ class Scheduler:
             if row.done:
                 self.slots[row.row] = None
                 self.tables.release(row.row)
-                stopped = r.tokens and r.tokens[-1] in (() if r.ignore_eos else self.stop_ids) + tuple(r.stop_ids)
+                stopped = r.tokens and r.tokens[-1] in (() if r.spec.ignore_eos else self.stop_ids) + r.spec.stop_ids
                 self._finish(r, "stop" if stopped else "length", new)
             elif new:
                 r.notify(new)
@@ -300,12 +300,14 @@ class Scheduler:
             self.policy.admitted(drafter)
             if not given:
                 request.cached_tokens = cached
-            if request.seed is None:
-                request.seed = self.seeds()  # kept: a resumed request draws from the same seed
-            scored, stop_ids = request.logprobs or request.echo, tuple(request.stop_ids)
-            budget, min_new = request.max_tokens - have, max(request.min_tokens - have, 0)
-            row_init = (request.sampling, stop_ids, request.seed, scored, min_new, request.ignore_eos, cached)
-            admitted.append(RowAdmission(row, prompt, budget, *row_init, first=given[0] if given else None))
+            if request.spec.seed is None:  # kept: a resumed request draws from the same seed
+                request.spec = dataclasses.replace(request.spec, seed=self.seeds())
+            spec = request.spec
+            row_spec = dataclasses.replace(
+                spec, logprobs=spec.logprobs or request.echo, min_new=max(spec.min_new - have, 0)
+            )
+            first = given[0] if given else None
+            admitted.append(RowAdmission(row, prompt, request.max_tokens - have, row_spec, cached, first))
             request.slot = row
             self.slots[row] = Slot(request, cached, next(self._admissions), len(prompt), drafter)
         return tuple(admitted)
@@ -387,4 +389,5 @@ class Scheduler:
 def _greedy_program_serves(request: Request) -> bool:
     """The static-greedy program can run this request's row: greedy, nothing to score and no stop ids to mask (it has
     no logits)."""
-    return request.sampling.greedy and not (request.logprobs or request.echo or request.min_tokens)
+    spec = request.spec
+    return spec.sampling.greedy and not (spec.logprobs or request.echo or spec.min_new)
