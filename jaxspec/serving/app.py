@@ -283,7 +283,7 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         if not prompt:
             raise _BadRequest(f"{where}: expected a non-empty prompt", where)
         _check_ids(prompt, vocab, where)
-        room = cfg.max_context - len(prompt) - cfg.draft.lookahead - 1
+        room = cfg.max_context - cfg.draft.reach(len(prompt), len(prompt))  # the most new tokens that fit
         max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
         if body.min_tokens > max_tokens:
             raise _BadRequest(
