@@ -173,17 +173,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     channel = None
     if jax.process_count() > 1:  # one server over several processes: process 0 decides, the others follow
-        from jaxspec.serving.fanout import LostLeader, PlanChannel, follow
+        from jaxspec.serving.fanout import PlanChannel
 
         channel = PlanChannel()
         if jax.process_index() != 0:
-            engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)  # the same programs as process 0's
-            log.info("process %d: running process 0's plans", jax.process_index())
-            try:
-                follow(engine.executor, channel)
-            except LostLeader as e:
-                raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
-            return 0
+            return _follow(target, drafter, config, tokenizer.stop_ids, channel)
     metrics = Metrics(config.draft, config.max_batch, pool_blocks=config.pool_blocks)
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel)
     try:
@@ -196,6 +190,23 @@ def run(args: argparse.Namespace) -> int:
     drafts = " or ".join(shape.label for shape in config.shapes)
     log.info("serving %s on http://%s:%d (draft %s)", name, args.host, args.port, drafts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
+    return 0
+
+
+def _follow(target, drafter, config, stop_ids: tuple[int, ...], channel) -> int:
+    """A process other than 0: run process 0's plans on an executor built as process 0's engine builds its own (the
+    same programs), until process 0 stops."""
+    import jax
+
+    from jaxspec.serving.executor import Executor
+    from jaxspec.serving.fanout import LostLeader, follow
+
+    executor = Executor.of(target, drafter, config, stop_ids=stop_ids)
+    log.info("process %d: running process 0's plans", jax.process_index())
+    try:
+        follow(executor, channel)
+    except LostLeader as e:
+        raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
     return 0
 
 

@@ -66,6 +66,11 @@ class LoopConfig:
         return self.draft.verify_tokens
 
 
+# What plain cycles on a state with a lazy drafter neither read nor write: the drafter's current draft and the
+# position it has reached (a chain program's catch-up brings them up to date).
+DRAFTER_ONLY = ("draft_B", "draft_q_BV", "hidden_BD", "drafted_B")
+
+
 def _axes(row: int | None, position: int | None = None) -> dict[str, Any]:
     """A LoopState field's layout: its row (batch) axis and its position axis (None: it has none)."""
     return {"metadata": {"row_axis": row, "position_axis": position}}
@@ -227,6 +232,21 @@ class LoopState:
             settings=jax.tree.map(set_, self.settings, init.settings),
             first_given_B=set_(self.first_given_B, init.first >= 0),
         )
+
+    def set_aside(self, *names: str) -> tuple[LoopState, dict[str, Any]]:
+        """This state with the fields `names` None, and their values (`replace(**aside)` puts them back): a program
+        that neither reads nor writes a large field (the lazy drafter's `aux_BSI` for prefill chunks; `DRAFTER_ONLY`
+        and `aux_BSI` for plain cycles, which write `aux_BSI` in place) keeps it out of its windows and puts."""
+        return self.replace(**dict.fromkeys(names)), {name: getattr(self, name) for name in names}
+
+    def greedy_q_repaired(self) -> LoopState:
+        """Each greedy row's draft distribution as the per-row program would have left it (a point mass on its draft
+        token; the static-greedy program keeps a placeholder there): before a per-row chain segment that follows
+        greedy ones (traceable; a per-row state)."""
+        q_BV = self.draft_q_BV
+        point_BV = jax.nn.one_hot(self.draft_B, q_BV.shape[1], dtype=q_BV.dtype)
+        greedy_B = self.settings.sampling.temperature_B == 0
+        return self.replace(draft_q_BV=jnp.where(greedy_B[:, None], point_BV, q_BV))
 
     def free(self, row) -> LoopState:
         """Row `row` is done (its request left): cycles skip it."""

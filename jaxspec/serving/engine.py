@@ -163,33 +163,11 @@ class Engine:
     ):
         """`channel`: a `fanout.PlanChannel` when the mesh spans several processes (this is process 0): every plan
         goes to the other processes before it runs here."""
-        draft = config.draft
-        if not draft.plain and drafter is None:
-            raise ValueError(f"num_steps={draft.num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
-        if drafter is not None:
-            draft.check_drafter(drafter.config.draft_vocab_size)
-        if target.mesh.shape.get("data", 1) != 1:
-            raise ValueError("serving: the mesh's data axis must be 1 (slots are prefilled one row at a time)")
-        if config.max_context > target.config.max_position_embeddings:
-            raise ValueError(
-                f"EngineConfig.max_context {config.max_context} exceeds the model's context of "
-                f"{target.config.max_position_embeddings} positions"
-            )
+        self.executor = Executor.of(target, drafter, config, stop_ids=stop_ids)  # checks the pair against config
         self.target, self.config, self.metrics = target, config, metrics
-        self.stop_ids = tuple(sorted(set(target.config.stop_token_ids) | set(stop_ids)))
+        self.stop_ids = self.executor.stop_ids  # the model's and `stop_ids`
         self.scheduler = Scheduler(
-            config, draft, vocab_size=target.vocab_size, stop_ids=self.stop_ids, shapes=config.shapes
-        )
-        self.executor = Executor(
-            target,
-            drafter,
-            draft,
-            max_batch=config.max_batch,
-            max_context=config.max_context,
-            prefill_chunk=config.prefill_chunk,
-            stop_ids=self.stop_ids,
-            shapes=config.shapes,
-            pool=(config.pool_blocks, config.block),
+            config, config.draft, vocab_size=target.vocab_size, stop_ids=self.stop_ids, shapes=config.shapes
         )
         self.channel = channel
         self._thread: threading.Thread | None = None

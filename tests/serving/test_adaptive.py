@@ -131,16 +131,8 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
     target, drafter, _ = pair
     c = CONFIG  # the engine's shape: the fresh executor reuses its compiled prefill
     blocks = c.max_context // c.block  # the fresh row holds a whole row of blocks
-    fresh = Executor(
-        target,
-        drafter,
-        CHAIN,
-        max_batch=2,
-        max_context=c.max_context,
-        prefill_chunk=16,
-        stop_ids=engine.stop_ids,
-        pool=(blocks, c.block),
-    )
+    one_chain = dataclasses.replace(c, adaptive=False, kv_cache_tokens=blocks * c.block)  # its prefill, one row's pool
+    fresh = Executor.of(target, drafter, one_chain, stop_ids=engine.stop_ids)
     chunks = tuple(PrefillChunk(0, start) for start in range(0, len(history), 16))
     for i, chunk in enumerate(chunks):
         admit = (RowAdmission(0, tuple(history), 2, RowSpec(Sampling(0.9), seed=8)),) if i == 0 else ()

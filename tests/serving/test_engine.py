@@ -146,17 +146,7 @@ def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_
         del engine.executor.run
     assert all(r.finished for r in requests) and requests[3].finish_reason == "cancelled"
     target, drafter, _ = pair
-    c = engine.config
-    fresh = Executor(
-        target,
-        drafter,
-        c.draft,
-        max_batch=c.max_batch,
-        max_context=c.max_context,
-        prefill_chunk=c.prefill_chunk,
-        stop_ids=engine.stop_ids,
-        pool=(c.pool_blocks, c.block),
-    )
+    fresh = Executor.of(target, drafter, engine.config, stop_ids=engine.stop_ids)
     replayed = [fresh.run(StepPlan.from_bytes(plan)) for plan, _ in log]
     assert [r.rows for r in replayed] == [r.rows for _, r in log]
     assert [r.counters for r in replayed] == [r.counters and r.counters.minus(before) for _, r in log]
