@@ -34,7 +34,7 @@ def engine_config(num_steps: int, topk: int, num_draft_tokens: int | None):
 
 def main() -> None:
     from jaxspec import bundled
-    from jaxspec.decoding.sampling import Sampling
+    from jaxspec.decoding.sampling_params import RowSpec, Sampling
     from jaxspec.serving.engine import Engine, Request
 
     target, drafter, tokenizer = bundled.load_pair()
@@ -44,7 +44,7 @@ def main() -> None:
         config = engine_config(num_steps, topk, tokens)
         engine = Engine(target, drafter if num_steps else None, config, stop_ids=tokenizer.stop_ids)
         requests = [
-            Request(prompts[i % len(prompts)], 24 + i, settings[i % 3], seed=None if i % 3 == 0 else 100 + i)
+            Request(prompts[i % len(prompts)], 24 + i, RowSpec(settings[i % 3], seed=None if i % 3 == 0 else 100 + i))
             for i in range(12)
         ]
         for r in requests:

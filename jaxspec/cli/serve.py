@@ -158,9 +158,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec.serving.app import create_app
     from jaxspec.serving.engine import Engine
     from jaxspec.serving.metrics import Metrics
-    from jaxspec.serving.startup import MapBudget, Programs, StartupError
+    from jaxspec.serving.startup import StartupError
     from jaxspec.tokenizer import load_tokenizer
-    from sharding.mesh import make_mesh
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
@@ -174,32 +173,17 @@ def run(args: argparse.Namespace) -> int:
     if num_steps and not args.drafter:
         raise SystemExit("jaxspec serve: --num-steps > 0 needs --drafter (or --num-steps 0)")
     config = _engine_config(args, num_steps, adaptive)
-    mesh = make_mesh(args.mesh) if args.mesh else None
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-    budget = MapBudget.here(platform)
-    try:  # before loading anything: a configuration this process cannot compile is refused at once
-        if budget is not None:
-            budget.check(Programs.of(config))
-    except StartupError as e:
-        raise SystemExit(f"jaxspec serve: {e}") from None
-    dtype, why = default_dtype(args.dtype, args.model, platform)
-    log.info("loading %s (%s: %s)", args.model, dtype.name, why)
+    mesh, dtype = _mesh_and_dtype(args, config)
     target = load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype)
     drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     channel = None
     if jax.process_count() > 1:  # one server over several processes: process 0 decides, the others follow
-        from jaxspec.serving.fanout import LostLeader, PlanChannel, follow
+        from jaxspec.serving.fanout import PlanChannel
 
         channel = PlanChannel()
         if jax.process_index() != 0:
-            engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)  # the same programs as process 0's
-            log.info("process %d: running process 0's plans", jax.process_index())
-            try:
-                follow(engine.executor, channel)
-            except LostLeader as e:
-                raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
-            return 0
+            return _follow(target, drafter, config, tokenizer.stop_ids, channel)
     metrics = Metrics(config.draft, config.max_batch, pool_blocks=config.pool_blocks)
     acceptance = _recorded_acceptance(_tune_json(args, bundled)) if adaptive else None
     engine = Engine(
@@ -215,6 +199,44 @@ def run(args: argparse.Namespace) -> int:
     drafts = " or ".join(shape.label for shape in config.shapes)
     log.info("serving %s on http://%s:%d (draft %s)", name, args.host, args.port, drafts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
+    return 0
+
+
+def _mesh_and_dtype(args: argparse.Namespace, config):
+    """(the mesh of --mesh, None: one device; the compute dtype, logged), after refusing, before anything loads, a
+    configuration whose programs this process cannot hold (startup.py)."""
+    import jax
+
+    from jaxspec.serving.startup import MapBudget, Programs, StartupError
+    from sharding.mesh import make_mesh
+
+    mesh = make_mesh(args.mesh) if args.mesh else None
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    budget = MapBudget.here(platform)
+    try:
+        if budget is not None:
+            budget.check(Programs.of(config))
+    except StartupError as e:
+        raise SystemExit(f"jaxspec serve: {e}") from None
+    dtype, why = default_dtype(args.dtype, args.model, platform)
+    log.info("loading %s (%s: %s)", args.model, dtype.name, why)
+    return mesh, dtype
+
+
+def _follow(target, drafter, config, stop_ids: tuple[int, ...], channel) -> int:
+    """A process other than 0: run process 0's plans on an executor built as process 0's engine builds its own (the
+    same programs), until process 0 stops."""
+    import jax
+
+    from jaxspec.serving.executor import Executor
+    from jaxspec.serving.fanout import LostLeader, follow
+
+    executor = Executor.of(target, drafter, config, stop_ids=stop_ids)
+    log.info("process %d: running process 0's plans", jax.process_index())
+    try:
+        follow(executor, channel)
+    except LostLeader as e:
+        raise SystemExit(f"jaxspec serve (process {jax.process_index()}): {e}") from None
     return 0
 
 

@@ -90,6 +90,18 @@ class DraftShape:
         """Cache slots past a row's committed length that one cycle may write (verify, draft-extend)."""
         return max(self.num_steps + 1, self.verify_tokens)
 
+    def reach(self, tokens: int, budget: int, cycles: int | None = None) -> int:
+        """Positions [0, reach) a row drafting this shape can touch: the one rule for what a row needs (serving's
+        admission, block growth and context bucket, the HTTP layer's default budget, `generate`'s buffer and its
+        context check). `tokens`: the row's prompt and generated tokens (its pending token included); `budget`: its
+        prompt plus its max new tokens; `cycles`: the cycles to come (None: as many as its budget takes). A cycle
+        commits at most num_steps + 1 tokens and writes `lookahead` cache slots past its row's length; a row at its
+        budget writes no further."""
+        whole = budget + self.lookahead + 1
+        if cycles is None:
+            return whole
+        return min(tokens + (cycles - 1) * (self.num_steps + 1) + self.lookahead + 1, whole)
+
     @property
     def label(self) -> str:
         """The shape's name in tables, messages and metrics: `k=3` for a chain, `tree 4x2/8` for a tree."""

@@ -238,8 +238,8 @@ class _Layout:
 
     @classmethod
     def of(cls, ids: list[list[int]], target, max_new_tokens: int, draft: DraftShape) -> _Layout:
-        """Check the prompts against the target's vocabulary and context, and bucket the shapes (a cycle writes
-        `draft.lookahead` cache slots past a row's length)."""
+        """Check the prompts against the target's vocabulary and context, and bucket the shapes (the buffer holds what
+        a row reaches: `DraftShape.reach`, a cycle's lookahead included)."""
         cfg = target.config
         for i, p in enumerate(ids):
             if min(p) < 0 or max(p) >= cfg.vocab_size:
@@ -248,16 +248,16 @@ class _Layout:
                 )
         longest = max(len(p) for p in ids)
         prompt = bucket(longest, MIN_PROMPT_BUCKET)
-        if longest + max_new_tokens + draft.num_steps + 1 > cfg.max_position_embeddings:
+        if draft.reach(longest, longest + max_new_tokens) > cfg.max_position_embeddings:
             raise ValueError(
-                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + num_steps {draft.num_steps} exceeds "
-                f"the context of {cfg.max_position_embeddings} positions"
+                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} (+ {draft.lookahead + 1} for drafting "
+                f"{draft.label}) exceeds the context of {cfg.max_position_embeddings} positions"
             )
         data = target.mesh.shape[DATA]
         # Small batches to powers of two, larger ones to multiples of 8 (bounded padding); always whole data shards.
         batch = bucket(len(ids)) if len(ids) <= 8 else -(-len(ids) // 8) * 8
         batch = -(-batch // data) * data
-        return cls(batch, prompt, bucket(prompt + max_new_tokens + draft.lookahead + 1))
+        return cls(batch, prompt, bucket(draft.reach(prompt, prompt + max_new_tokens)))
 
     @property
     def chunk(self) -> int:

@@ -37,3 +37,55 @@ class Sampling:
     def greedy(self) -> bool:
         """Temperature 0: argmax decoding (top-k / top-p are then irrelevant)."""
         return self.temperature == 0
+
+
+def _int(name: str, value: object, low: int, high: int | None = None) -> None:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"RowSpec.{name}: expected an integer {bound}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """A request's per-row settings, as one frozen value from the HTTP layer to the loop state's row: how tokens are
+    chosen, its own stop ids (besides the model's), its seed, whether its tokens are scored, how many tokens it
+    generates before a stop id may end it, and whether the model's stop ids end it.
+
+    Validated here, once; serialised here (`to_dict` / `from_dict`: it crosses processes inside the step plan). On
+    the device it is one row of `decoding.state.RowSettings` (the seed becomes the row's key).
+    """
+
+    sampling: Sampling = Sampling()
+    stop_ids: tuple[int, ...] = ()  # token ids, at most MAX_STOP_IDS
+    seed: int | None = None  # the row's random key is jax.random.key(seed); None: the scheduler draws one
+    logprobs: bool = False  # score the row's tokens (and, for an echo, its prompt's)
+    min_new: int = 0  # stop ids are masked until the row has generated this many tokens (min_tokens, as vLLM)
+    ignore_eos: bool = False  # the model's stop ids do not stop the row (its own stop ids still do)
+
+    def __post_init__(self):
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"RowSpec.sampling: expected a Sampling, got {self.sampling!r}")
+        ids = self.stop_ids
+        if not isinstance(ids, tuple) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"RowSpec.stop_ids: expected a tuple of token ids >= 0, got {ids!r}")
+        if len(ids) > MAX_STOP_IDS:
+            raise ValueError(f"RowSpec.stop_ids: expected at most {MAX_STOP_IDS}, got {len(ids)}")
+        if self.seed is not None:
+            _int("seed", self.seed, 0, 2**32 - 1)
+        _int("min_new", self.min_new, 0)
+        for name in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RowSpec.{name}: expected a bool, got {getattr(self, name)!r}")
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise ValueError when a stop id lies outside a vocabulary of `vocab` ids."""
+        if any(t >= vocab for t in self.stop_ids):
+            raise ValueError(f"RowSpec.stop_ids: expected token ids in [0, {vocab}), got {list(self.stop_ids)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"stop_ids": list(self.stop_ids)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RowSpec:
+        return cls(**(d | {"sampling": Sampling(**d["sampling"]), "stop_ids": tuple(d["stop_ids"])}))

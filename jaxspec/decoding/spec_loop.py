@@ -473,17 +473,17 @@ def mask_stops(cfg: LoopConfig, s: LoopState, logits_BTV, generated_BT):
     """min_tokens: the target's logits [B, T, V] with every stop id (the config's and the row's) at -inf where the
     token chosen there would be the row's generated token number `generated_BT` (0-based) < its min_new_B; the
     speculative accept then runs against this masked distribution, as plain decoding samples from it. A static or
-    greedy program (no min_new_B, or ids for `logits_BTV`) is returned unchanged."""
-    if s.min_new_B is None or _greedy(cfg):
+    greedy program (no per-row settings, or ids for `logits_BTV`) is returned unchanged."""
+    row = s.settings
+    if row is None or _greedy(cfg):
         return logits_BTV
     B, V = logits_BTV.shape[0], logits_BTV.shape[-1]
-    early_BT = generated_BT < s.min_new_B[:, None]
+    early_BT = generated_BT < row.min_new_B[:, None]
 
     def mask(logits_BTV):
         stop_BV = jnp.zeros((B, V), bool).at[:, jnp.asarray(cfg.stop_ids or (V,))].set(True, mode="drop")
-        if s.ignore_eos_B is not None:  # those rows are not stopped by the config's ids: nothing to hold back
-            stop_BV = stop_BV & ~s.ignore_eos_B[:, None]
-        row_ids = jnp.where(s.stop_ids >= 0, s.stop_ids, V)  # -1 (none) out of range: dropped
+        stop_BV = stop_BV & ~row.ignore_eos_B[:, None]  # those rows are not stopped by the config's ids
+        row_ids = jnp.where(row.stop_ids >= 0, row.stop_ids, V)  # -1 (none) out of range: dropped
         stop_BV = stop_BV.at[jnp.arange(B)[:, None], row_ids].set(True, mode="drop")
         return jnp.where(early_BT[:, :, None] & stop_BV[:, None, :], -jnp.inf, logits_BTV)
 
@@ -505,7 +505,7 @@ def write_logprobs(cfg: LoopConfig, s: LoopState, logits_BTV, tokens_BT, start_B
     at positions start_B.. of the rows `rows_B` that want logprobs; skipped at run time (lax.cond) when none does."""
     if not cfg.logprobs:
         return s
-    want_B = rows_B & s.wants_logprobs_B
+    want_B = rows_B & s.settings.logprobs_B
     write_row = lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0)  # noqa: E731
 
     def write(buffers: Logprobs) -> Logprobs:
@@ -545,7 +545,7 @@ def _greedy(cfg: LoopConfig) -> bool:
 
 
 def _sampling(cfg: LoopConfig, s: LoopState) -> Sampling | RowSampling:
-    return cfg.sampling if cfg.sampling is not None else s.row_sampling
+    return cfg.sampling if cfg.sampling is not None else s.settings.sampling
 
 
 # What a per-row draw is for (`_draws`): each purpose folds its own keys from the row's key.
@@ -591,12 +591,11 @@ def _speculative_accept(key, draft_BJ, q_BJV, p_BTV):
 
 def _is_stop(tokens_B_: jax.Array, cfg: LoopConfig, s: LoopState) -> jax.Array:
     """Which tokens [B, ...] stop their row: the config's stop ids (except in ignore_eos rows), plus each row's own
-    (`s.stop_ids` [B, n], -1 padded) in a per-row state."""
+    (`s.settings.stop_ids` [B, n], -1 padded) in a per-row state."""
     stop = jnp.isin(tokens_B_, jnp.asarray(cfg.stop_ids or (-1,)))
-    if s.ignore_eos_B is not None:
-        stop = stop & ~s.ignore_eos_B.reshape(s.ignore_eos_B.shape + (1,) * (tokens_B_.ndim - 1))
-    stop_ids = s.stop_ids
-    if stop_ids is None:
+    if s.settings is None:
         return stop
+    ignore_eos_B, stop_ids = s.settings.ignore_eos_B, s.settings.stop_ids
+    stop = stop & ~ignore_eos_B.reshape(ignore_eos_B.shape + (1,) * (tokens_B_.ndim - 1))
     row_ids = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens_B_.ndim - 1) + stop_ids.shape[1:])
     return stop | jnp.any((tokens_B_[..., None] == row_ids) & (row_ids >= 0), axis=-1)

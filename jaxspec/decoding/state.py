@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import RowSampling, Sampling
-from jaxspec.decoding.sampling_params import MAX_STOP_IDS, MAX_TOP_LOGPROBS
+from jaxspec.decoding.sampling_params import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSpec
 from sharding.multihost import put_global
 
 
@@ -29,11 +29,11 @@ class LoopConfig:
     """Static settings of one compiled loop (each distinct value compiles its own program)."""
 
     draft: DraftShape  # what a cycle drafts and verifies (DraftShape(0): plain decoding)
-    sampling: Sampling | None  # None: per-row settings from LoopState.row_sampling (the serving engine)
+    sampling: Sampling | None  # None: per-row settings from LoopState.settings (the serving engine)
     stop_ids: tuple[int, ...]
     prompt_bucket: int  # padded prompt length (a multiple of prefill_chunk)
     prefill_chunk: int
-    # Write each scored position's raw logprobs into LoopState.logprobs for the rows that ask (wants_logprobs_B):
+    # Write each scored position's raw logprobs into LoopState.logprobs for the rows that ask (settings.logprobs_B):
     # needs per-row sampling (the static-greedy program's head is an argmax, with no logits to score).
     logprobs: bool = False
     # Plain cycles (num_steps 0) on a state with a lazy drafter (`LoopState.empty(lazy_drafter=True)`): each keeps the
@@ -66,6 +66,11 @@ class LoopConfig:
         return self.draft.verify_tokens
 
 
+# What plain cycles on a state with a lazy drafter neither read nor write: the drafter's current draft and the
+# position it has reached (a chain program's catch-up brings them up to date).
+DRAFTER_ONLY = ("draft_B", "draft_q_BV", "hidden_BD", "drafted_B")
+
+
 def _axes(row: int | None, position: int | None = None) -> dict[str, Any]:
     """A LoopState field's layout: its row (batch) axis and its position axis (None: it has none)."""
     return {"metadata": {"row_axis": row, "position_axis": position}}
@@ -94,23 +99,15 @@ class LoopState:
     reached_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often draft position j+1 was verified
     accepted_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often it was accepted
     accept_hist_T: jax.Array = struct.field(**_axes(None))  # int32 [J+1]: cycles that accepted exactly t drafts
-    # Per-row requests (LoopConfig.sampling None): sampling settings, and each row's own stop token ids (int32
-    # [B, MAX_STOP_IDS], -1 = none); `key` is then one key per row, so a row's random draws depend only on its own
-    # seed and history.
-    row_sampling: RowSampling | None = struct.field(default=None, **_axes(0))
-    stop_ids: jax.Array | None = struct.field(default=None, **_axes(0))
-    # Logprobs (a state built with `logprobs`): which rows want them, and at each position p the target's raw scores
-    # of token p + 1 (so token i's are at i - 1; programs with LoopConfig.logprobs write them).
-    wants_logprobs_B: jax.Array | None = struct.field(default=None, **_axes(0))  # bool
-    # Per-row states: the stop ids (the config's and the row's) are masked out of the target's distribution while a
-    # row has generated fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
-    min_new_B: jax.Array | None = struct.field(default=None, **_axes(0))
-    # Per-row states: rows that generate past the model's stop ids (the config's; ignore_eos as vLLM applies it). Their
-    # own stop ids still stop them.
-    ignore_eos_B: jax.Array | None = struct.field(default=None, **_axes(0))  # bool
+    # Per-row states (LoopConfig.sampling None: the serving engine): each row's request settings (a `RowSpec` per
+    # row); `key` is then one key per row (from the spec's seed), so a row's random draws depend only on its own seed
+    # and history.
+    settings: RowSettings | None = struct.field(default=None, **_axes(0))
     # Per-row states: rows whose first token is given (at prompt_len_B in tokens_BS: a preempted request resumed by
     # recomputing its tokens but the last) instead of drawn by the prefill (bool).
     first_given_B: jax.Array | None = struct.field(default=None, **_axes(0))
+    # Logprobs (a state built with `logprobs`): at each position p the target's raw scores of token p + 1 (so token
+    # i's are at i - 1; programs with LoopConfig.logprobs write them for the rows whose settings ask).
     logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
     # Lazy drafter (a state built with `lazy_drafter`, for plain and chain programs on one state): the captured target
     # states at each position [B, S, X*D] that plain cycles keep, and how far the drafter has run (int32 [B]: its cache,
@@ -193,14 +190,10 @@ class LoopState:
                 accept_hist_T=jnp.zeros((J + 1,), jnp.int32),
             )
             if per_row:
-                fields["row_sampling"] = RowSampling(z(jnp.float32), z(), z(jnp.float32) + 1)
-                fields["stop_ids"] = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
-                fields["min_new_B"] = z()
-                fields["ignore_eos_B"] = jnp.zeros((B,), bool)
+                fields["settings"] = RowSettings.empty(B)
                 fields["first_given_B"] = jnp.zeros((B,), bool)
             if lp:
                 N = MAX_TOP_LOGPROBS
-                fields["wants_logprobs_B"] = jnp.zeros((B,), bool)
                 fields["logprobs"] = Logprobs(
                     jnp.zeros((B, S), jnp.float32), jnp.zeros((B, S, N), jnp.int32), jnp.zeros((B, S, N), jnp.float32)
                 )
@@ -224,7 +217,7 @@ class LoopState:
 
     # ------------------------------------------------------------------ rows (traceable)
     def admit(self, row, init: RowInit) -> LoopState:
-        """Write one admitted request into row `row`: prompt, budget, sampling settings, stop ids, key. The row stays
+        """Write one admitted request into row `row`: prompt, budget, settings, key (from its seed). The row stays
         done (cycles skip it) until its last prefill chunk; its length is the prompt length, so the positions that
         riding-along cycles overwrite lie past the prompt (and are rewritten before they are read)."""
         set_ = lambda x, v: x.at[row].set(v)
@@ -236,13 +229,24 @@ class LoopState:
             max_new_B=set_(self.max_new_B, init.max_new),
             done_B=set_(self.done_B, True),
             key=set_(self.key, jax.random.key(init.seed)),
-            row_sampling=jax.tree.map(set_, self.row_sampling, init.sampling),
-            stop_ids=set_(self.stop_ids, init.stop_ids),
-            min_new_B=set_(self.min_new_B, init.min_new),
-            ignore_eos_B=set_(self.ignore_eos_B, init.ignore_eos),
+            settings=jax.tree.map(set_, self.settings, init.settings),
             first_given_B=set_(self.first_given_B, init.first >= 0),
-            wants_logprobs_B=None if self.wants_logprobs_B is None else set_(self.wants_logprobs_B, init.logprobs),
         )
+
+    def set_aside(self, *names: str) -> tuple[LoopState, dict[str, Any]]:
+        """This state with the fields `names` None, and their values (`replace(**aside)` puts them back): a program
+        that neither reads nor writes a large field (the lazy drafter's `aux_BSI` for prefill chunks; `DRAFTER_ONLY`
+        and `aux_BSI` for plain cycles, which write `aux_BSI` in place) keeps it out of its windows and puts."""
+        return self.replace(**dict.fromkeys(names)), {name: getattr(self, name) for name in names}
+
+    def greedy_q_repaired(self) -> LoopState:
+        """Each greedy row's draft distribution as the per-row program would have left it (a point mass on its draft
+        token; the static-greedy program keeps a placeholder there): before a per-row chain segment that follows
+        greedy ones (traceable; a per-row state)."""
+        q_BV = self.draft_q_BV
+        point_BV = jax.nn.one_hot(self.draft_B, q_BV.shape[1], dtype=q_BV.dtype)
+        greedy_B = self.settings.sampling.temperature_B == 0
+        return self.replace(draft_q_BV=jnp.where(greedy_B[:, None], point_BV, q_BV))
 
     def free(self, row) -> LoopState:
         """Row `row` is done (its request left): cycles skip it."""
@@ -307,48 +311,60 @@ class Logprobs:
 
 
 @struct.dataclass
+class RowSettings:
+    """A `RowSpec` per row as arrays [B] (`LoopState.settings`), so rows with different settings share one program;
+    one row of it (scalars) is what `LoopState.admit` writes. The spec's seed is not here: it becomes the row's key."""
+
+    sampling: RowSampling  # float32 / int32 / float32
+    stop_ids: Any  # int32 [B, MAX_STOP_IDS]: the row's own stop ids, -1 = none
+    logprobs_B: Any  # bool: the row's tokens are scored (into a state built with `logprobs`)
+    # The stop ids (the config's and the row's) are masked out of the target's distribution while a row has generated
+    # fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
+    min_new_B: Any
+    ignore_eos_B: Any  # bool: the config's stop ids do not stop the row (its own still do; ignore_eos as vLLM)
+
+    @classmethod
+    def empty(cls, B: int) -> RowSettings:
+        """Settings of B free rows (greedy, no stop ids), as device arrays (traceable)."""
+        zeros = lambda dtype: jnp.zeros((B,), dtype)
+        sampling = RowSampling(zeros(jnp.float32), zeros(jnp.int32), zeros(jnp.float32) + 1)
+        stop_ids = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
+        return cls(sampling, stop_ids, zeros(bool), zeros(jnp.int32), zeros(bool))
+
+    @classmethod
+    def of(cls, spec: RowSpec) -> RowSettings:
+        """One row's settings (host scalars): what `LoopState.admit` writes."""
+        s = spec.sampling
+        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop[: len(spec.stop_ids)] = spec.stop_ids
+        sampling = RowSampling(np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p))
+        return cls(sampling, stop, np.bool_(spec.logprobs), np.int32(spec.min_new), np.bool_(spec.ignore_eos))
+
+
+@struct.dataclass
 class RowInit:
     """One admitted request as the row values `LoopState.admit` writes (host arrays; a pytree)."""
 
     tokens_S: Any  # int32 [S]: the prompt, zero-padded to the state's positions
     prompt_len: Any  # int32
     max_new: Any  # int32
-    sampling: RowSampling  # float32 / int32 / float32 scalars
-    stop_ids: Any  # int32 [MAX_STOP_IDS], -1 = none
-    seed: Any  # uint32
-    logprobs: Any = False  # bool: the row wants logprobs (written only into a state built with them)
-    min_new: Any = 0  # int32: tokens generated before a stop id may be
-    ignore_eos: Any = False  # bool: the config's stop ids do not stop the row
+    seed: Any  # uint32: the row's key is jax.random.key(seed)
+    settings: RowSettings  # the rest of its RowSpec
     first: Any = -1  # int32: the row's first token, given (a resumed request's last token); -1: the prefill draws it
 
     @classmethod
-    def of(
-        cls,
-        prompt,
-        max_new: int,
-        sampling: Sampling,
-        stop_ids,
-        seed: int,
-        context: int,
-        logprobs: bool = False,
-        min_new: int = 0,
-        ignore_eos: bool = False,
-        first: int | None = None,
-    ) -> RowInit:
-        """A request's row for a state of `context` positions (validated by the caller: it fits); `first`: its first
-        token, given rather than drawn."""
+    def of(cls, prompt, max_new: int, spec: RowSpec, context: int, first: int | None = None) -> RowInit:
+        """A request's row for a state of `context` positions (validated by the caller: it fits; its spec has a
+        seed); `first`: its first token, given rather than drawn."""
+        if spec.seed is None:
+            raise ValueError("RowInit.of: spec.seed: expected a seed (the scheduler draws one), got None")
         tokens = np.zeros((context,), np.int32)
         tokens[: len(prompt)] = prompt
         if first is not None:
             tokens[len(prompt)] = first
-        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stop[: len(stop_ids)] = stop_ids
-        row_sampling = RowSampling(
-            np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)
-        )
-        row = (np.int32(len(prompt)), np.int32(max_new), row_sampling, stop, np.uint32(seed))
         given = np.int32(-1 if first is None else first)
-        return cls(tokens, *row, np.bool_(logprobs), np.int32(min_new), np.bool_(ignore_eos), given)
+        row = np.int32(len(prompt)), np.int32(max_new), np.uint32(spec.seed)
+        return cls(tokens, *row, RowSettings.of(spec), given)
 
 
 @jax.jit

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import Engine, QueueFull
 from jaxspec.serving.engine import Request as EngineRequest
 from jaxspec.serving.logprobs import chat_logprobs, completion_logprobs
@@ -245,7 +245,7 @@ class _Choice:
     index: int
     prompt: list[int]
     max_tokens: int
-    seed: int | None  # None: the engine draws one
+    spec: RowSpec  # its settings (seed None: the engine draws one)
     text: ChoiceText
     request: EngineRequest | None = None  # the engine request running now
     reason: str | None = None  # finish reason, once finished
@@ -283,7 +283,7 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         if not prompt:
             raise _BadRequest(f"{where}: expected a non-empty prompt", where)
         _check_ids(prompt, vocab, where)
-        room = cfg.max_context - len(prompt) - cfg.draft.lookahead - 1
+        room = cfg.max_context - cfg.draft.reach(len(prompt), len(prompt))  # the most new tokens that fit
         max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
         if body.min_tokens > max_tokens:
             raise _BadRequest(
@@ -296,7 +296,8 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         for j in range(body.n):
             seed = None if body.seed is None else derive_seed(body.seed, j)
             text = ChoiceText(tokenizer, stop_ids, body.stop)
-            choices.append(_Choice(len(choices), list(prompt), max_tokens, seed, text))
+            spec = body.row_spec(seed, max(max_tokens, 1))  # max_tokens 0 (echo): one token, dropped
+            choices.append(_Choice(len(choices), list(prompt), max_tokens, spec, text))
     return choices
 
 
@@ -331,12 +332,7 @@ class _Run:
             raise _BadRequest(str(e), "prompt") from None
 
     def _submit(self, c: _Choice) -> None:
-        b = self.body
-        sampling = Sampling(temperature=b.temperature, top_k=b.top_k, top_p=b.top_p)
-        budget = max(c.max_tokens, 1)  # max_tokens 0 (echo): one token, dropped
-        r = EngineRequest(list(c.prompt), budget, sampling, c.seed, tuple(b.stop_token_ids))
-        r.logprobs, r.echo = self.top is not None, self.echo and self.top is not None
-        r.min_tokens, r.ignore_eos = min(b.min_tokens, budget), b.ignore_eos
+        r = EngineRequest(list(c.prompt), max(c.max_tokens, 1), c.spec, echo=self.echo and self.top is not None)
         put = self.updates.put_nowait
         r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
         self.engine.submit(r)

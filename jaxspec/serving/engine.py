@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from jaxspec.decoding.draft_shape import DraftShape
-from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import RowSpec, Sampling
 from jaxspec.serving import fanout
 from jaxspec.serving.adaptive import Calibration, DraftPolicy, measured_tokens_per_second
 from jaxspec.serving.executor import Executor
@@ -172,33 +172,11 @@ class Engine:
         """`channel`: a `fanout.PlanChannel` when the mesh spans several processes (this is process 0): every plan
         goes to the other processes before it runs here. `acceptance`: the drafter's recorded conditional acceptance
         per draft position (tune.json's), the adaptive policy's prior until it has measured its own."""
-        draft = config.draft
-        if not draft.plain and drafter is None:
-            raise ValueError(f"num_steps={draft.num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
-        if drafter is not None:
-            draft.check_drafter(drafter.config.draft_vocab_size)
-        if target.mesh.shape.get("data", 1) != 1:
-            raise ValueError("serving: the mesh's data axis must be 1 (slots are prefilled one row at a time)")
-        if config.max_context > target.config.max_position_embeddings:
-            raise ValueError(
-                f"EngineConfig.max_context {config.max_context} exceeds the model's context of "
-                f"{target.config.max_position_embeddings} positions"
-            )
+        self.executor = Executor.of(target, drafter, config, stop_ids=stop_ids)  # checks the pair against config
         self.target, self.config, self.metrics, self.acceptance = target, config, metrics, acceptance
-        self.stop_ids = tuple(sorted(set(target.config.stop_token_ids) | set(stop_ids)))
+        self.stop_ids = self.executor.stop_ids  # the model's and `stop_ids`
         self.scheduler = Scheduler(
-            config, draft, vocab_size=target.vocab_size, stop_ids=self.stop_ids, shapes=config.shapes
-        )
-        self.executor = Executor(
-            target,
-            drafter,
-            draft,
-            max_batch=config.max_batch,
-            max_context=config.max_context,
-            prefill_chunk=config.prefill_chunk,
-            stop_ids=self.stop_ids,
-            shapes=config.shapes,
-            pool=(config.pool_blocks, config.block),
+            config, config.draft, vocab_size=target.vocab_size, stop_ids=self.stop_ids, shapes=config.shapes
         )
         self.channel = channel
         self._thread: threading.Thread | None = None
@@ -281,7 +259,7 @@ class Engine:
             f"compiling {programs.describe()}{maps}: {cfg.max_batch} slots x {cfg.max_context} positions, prefill "
             f"chunk {cfg.prefill_chunk}, {cfg.segment_cycles} cycles per segment, {jax.process_count()} process(es)"
         )
-        self.submit(Request([1] * 3, 2 + draft.num_steps, Sampling(1.0), seed=0))
+        self.submit(Request([1] * 3, 2 + draft.num_steps, RowSpec(Sampling(1.0), seed=0)))
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
         before, compiled = maps_in_use(), 0

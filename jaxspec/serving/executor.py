@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, RowInit
+from jaxspec.decoding.state import DRAFTER_ONLY, Logprobs, LoopConfig, LoopState, RowInit
 from jaxspec.serving.plan import Counters, PrefillChunk, RowResult, Segment, StepPlan, StepResult
 from jaxspec.serving.startup import cpu_compiler_options
 from sharding.multihost import put_global, to_host
@@ -40,6 +40,24 @@ class CachePool(NamedTuple):
 
     target: jax.Array
     drafter: Any
+
+
+class ExecutorConfig(Protocol):
+    """What an executor is built from (the engine's `EngineConfig`)."""
+
+    draft: DraftShape
+    max_batch: int
+    max_context: int
+    prefill_chunk: int
+
+    @property
+    def shapes(self) -> tuple[DraftShape, ...]: ...  # the draft shapes segments run
+
+    @property
+    def pool_blocks(self) -> int: ...  # blocks in the cache pool
+
+    @property
+    def block(self) -> int: ...  # positions per cache block
 
 
 class Executor:
@@ -62,7 +80,7 @@ class Executor:
         pool: tuple[int, int],
         shapes: tuple[DraftShape, ...] = (),
     ):
-        self.target, self.draft = target, draft
+        self.target, self.draft, self.stop_ids = target, draft, tuple(stop_ids)
         self.drafter = drafter if not draft.plain else None
         self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.loop = LoopCache.of(target).loop(target, self.drafter)  # shared: another executor reuses its programs
@@ -81,14 +99,44 @@ class Executor:
             self.programs[shape] = (dataclasses.replace(per_row, sampling=Sampling(), logprobs=False), per_row)
         self.per_row = self.programs[draft][1]  # the prefill's: the drafter's first draft for the deepest shape
         # Chains only: the static-greedy program leaves a placeholder in greedy rows' draft_q_BV, which a per-row
-        # segment must replace first (`_fix_greedy_q`). Trees keep the root's logits there (tree acceptance reads
-        # only the target), so there is nothing to fix.
+        # segment must replace first (`LoopState.greedy_q_repaired`). Trees keep the root's logits there (tree
+        # acceptance reads only the target), so there is nothing to fix.
         self._greedy_leaves_q = self.drafter is not None and not draft.tree
         self._q_stale = False
         self.blocks, self.block = pool
         cpu = target.mesh.devices.flat[0].platform == "cpu"
         self._program = _segment_program(cpu_compiler_options() if cpu else ())
         self.reset()
+
+    @classmethod
+    def of(cls, target, drafter, config: ExecutorConfig, *, stop_ids: tuple[int, ...] = ()) -> Executor:
+        """The executor of an engine's `config`, checked against the pair (a draft needs a drafter that can draft it;
+        slots are prefilled one row at a time, so the mesh has no data axis; the context fits the model), stopping
+        every row at the model's stop ids and `stop_ids`. The engine, a follower process and the tests build theirs
+        here, so they run the same programs."""
+        draft = config.draft
+        if not draft.plain and drafter is None:
+            raise ValueError(f"num_steps={draft.num_steps} needs a drafter (pass num_steps=0 for plain decoding)")
+        if drafter is not None:
+            draft.check_drafter(drafter.config.draft_vocab_size)
+        if target.mesh.shape.get("data", 1) != 1:
+            raise ValueError("serving: the mesh's data axis must be 1 (slots are prefilled one row at a time)")
+        if config.max_context > target.config.max_position_embeddings:
+            raise ValueError(
+                f"EngineConfig.max_context {config.max_context} exceeds the model's context of "
+                f"{target.config.max_position_embeddings} positions"
+            )
+        return cls(
+            target,
+            drafter,
+            draft,
+            max_batch=config.max_batch,
+            max_context=config.max_context,
+            prefill_chunk=config.prefill_chunk,
+            stop_ids=tuple(sorted(set(target.config.stop_token_ids) | set(stop_ids))),
+            shapes=config.shapes,
+            pool=(config.pool_blocks, config.block),
+        )
 
     def reset(self) -> None:
         """Every row free again and the pool zeroed (after a failed step: the device may hold half-written values)."""
@@ -118,8 +166,7 @@ class Executor:
                 self.tables[b.row, : len(b.blocks)] = b.blocks
             self._tables = put_global(self.tables.copy(), self.state.tokens_BS.sharding)
         for a in plan.admit:
-            row = a.prompt, a.max_new, a.sampling, a.stop_ids, a.seed, self.max_context
-            init = RowInit.of(*row, a.logprobs, a.min_new, a.ignore_eos, a.first)
+            init = RowInit.of(a.prompt, a.max_new, a.spec, self.max_context, a.first)
             self.state = _admit(self.state, np.int32(a.row), init)
         if plan.prefill and plan.segment is None:  # the chunks alone: no row is generating
             self._run_program(plan.prefill)
@@ -169,7 +216,7 @@ class Executor:
         if not plan.read:
             return ()
         s = self.state
-        host = (s.tokens_BS, s.prompt_len_B, s.end_B, s.done_B, s.wants_logprobs_B)
+        host = (s.tokens_BS, s.prompt_len_B, s.end_B, s.done_B, s.settings.logprobs_B)
         tokens_BS, prompt_len_B, end_B, done_B, wants_B = to_host(host)  # one read per step, not per row
         results = []
         for r in plan.read:
@@ -268,13 +315,13 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         part = loop.prefill_slot(prefill, *params, part, jnp.int32(0), start, feed)
         return _scatter(state, pool, tables, part, row)
 
-    kept = state.aux_BSI
-    state, pool = jax.lax.fori_loop(0, count, chunk, (state.replace(aux_BSI=None), pool))
-    state = state.replace(aux_BSI=kept)
+    state, aside = state.set_aside("aux_BSI")
+    state, pool = jax.lax.fori_loop(0, count, chunk, (state, pool))
+    state, kept = state.replace(**aside), aside["aux_BSI"]
     if cfg is None:
         return state, pool
     if cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it would have left them
-        state = jax.lax.cond(fix, _fix_greedy_q, lambda s: s, state)
+        state = jax.lax.cond(fix, _greedy_q_repaired, lambda s: s, state)
     if kept is not None and not cfg.num_steps:
         return _plain_segment(loop, cfg, window, params, state, pool, tables, cycles)
     part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
@@ -292,18 +339,12 @@ def _segment_program(options: tuple[tuple[str, Any], ...] = ()):
     return jit(_prefill_and_run, compiler_options=dict(options)) if options else jit(_prefill_and_run)
 
 
-# What plain cycles on a state with a lazy drafter neither read nor write (the drafter's current draft and the
-# position it has reached: a chain segment's catch-up brings them up to date).
-_DRAFTER_ONLY = ("draft_B", "draft_q_BV", "hidden_BD", "drafted_B")
-
-
 def _plain_segment(loop, cfg, window, params, state, pool, tables, cycles):
     """Plain cycles over the window on a state with a lazy drafter: the drafter's fields stay out of the window
     (nothing to slice and put back), and the target states the cycles keep are written in place into the whole
     `aux_BSI` (the window's rows are the state's first rows), not into a window of it put back after (the window's
     slice and put took 3% of a 1-row plain segment of the bundled pair on the CPU)."""
-    aside = {name: getattr(state, name) for name in (*_DRAFTER_ONLY, "aux_BSI")}
-    state = state.replace(**dict.fromkeys(aside))
+    state, aside = state.set_aside(*DRAFTER_ONLY, "aux_BSI")
     part = _gather(state, pool, tables, jnp.int32(0), *window).replace(aux_BSI=aside["aux_BSI"])
     part = loop.run(cfg, *params, part, cycles)
     state, pool = _scatter(state, pool, tables, part.replace(aux_BSI=None), jnp.int32(0))
@@ -320,11 +361,4 @@ def _sharding(x: jax.Array, spec: tuple) -> NamedSharding:
     return NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec(*spec))
 
 
-@jax.jit
-def _fix_greedy_q(state: LoopState) -> LoopState:
-    """Before a per-row segment that follows greedy ones: each greedy row's draft distribution as the per-row program
-    would have left it (a point mass on its draft token; the greedy program keeps a placeholder there)."""
-    q_BV = state.draft_q_BV
-    point_BV = jax.nn.one_hot(state.draft_B, q_BV.shape[1], dtype=q_BV.dtype)
-    greedy_B = state.row_sampling.temperature_B == 0
-    return state.replace(draft_q_BV=jnp.where(greedy_B[:, None], point_BV, q_BV))
+_greedy_q_repaired = jax.jit(LoopState.greedy_q_repaired)

@@ -9,7 +9,8 @@ process runs the same plans in the same order. The executor runs a plan's parts 
    already);
 2. `blocks`: each `RowBlocks` replaces one row's block table (its blocks of the cache pool, in position order; a row
    that left gets none: every position of it then maps to the null block);
-3. `admit`: each `RowAdmission` writes one row's prompt, budget, sampling settings, stop ids and seed;
+3. `admit`: each `RowAdmission` writes one row's prompt, budget and settings (a `RowSpec`: sampling, stop ids,
+   seed, logprobs, min_new, ignore_eos);
 4. `prefill`: one `PrefillChunk` (row, start) for each row still prefilling, in the order given (a row that reuses a
    cached prefix starts past it); with a segment, inside the segment's program, before its cycles;
 5. `segment`: `cycles` cycles of the draft-verify loop over rows [0, rows) and positions [0, positions) (compiled
@@ -27,9 +28,9 @@ import json
 from typing import Any
 
 from jaxspec.decoding.draft_shape import DraftShape
-from jaxspec.decoding.sampling_params import MAX_STOP_IDS, Sampling
+from jaxspec.decoding.sampling_params import RowSpec
 
-FORMAT = 1  # the serialised form's version (`to_bytes` writes it, `from_bytes` checks it)
+FORMAT = 2  # the serialised form's version (`to_bytes` writes it, `from_bytes` checks it)
 
 
 def _int(owner: str, name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -45,17 +46,12 @@ def _ids(owner: str, name: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RowAdmission:
-    """One request written into a free row: its prompt, budget (new tokens), sampling, extra stop ids and seed."""
+    """One request written into a free row: its prompt, budget (new tokens) and settings (`RowSpec`, with its seed)."""
 
     row: int
     prompt: tuple[int, ...]
     max_new: int
-    sampling: Sampling = Sampling()
-    stop_ids: tuple[int, ...] = ()
-    seed: int = 0  # the row's random key is jax.random.key(seed); drawn by the scheduler when the request has none
-    logprobs: bool = False  # the row's tokens (and prompt) are scored: segments run the per-row program
-    min_new: int = 0  # stop ids are masked until the row has this many new tokens (per-row program)
-    ignore_eos: bool = False  # the model's stop ids do not stop the row (its own stop ids still do)
+    spec: RowSpec = RowSpec(seed=0)  # its seed drawn by the scheduler when the request has none
     cached: int = 0  # prompt positions reused from the prefix cache (a multiple of the prefill chunk), not prefilled
     first: int | None = None  # a resumed (preempted) request: its last token, the row's first instead of a draw
 
@@ -65,29 +61,20 @@ class RowAdmission:
         if not self.prompt:
             raise ValueError("RowAdmission.prompt: expected at least one token id")
         _int("RowAdmission", "max_new", self.max_new, 1)
-        _ids("RowAdmission", "stop_ids", self.stop_ids)
-        if len(self.stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"RowAdmission.stop_ids: expected at most {MAX_STOP_IDS}, got {len(self.stop_ids)}")
-        _int("RowAdmission", "seed", self.seed, 0, 2**32 - 1)
-        _int("RowAdmission", "min_new", self.min_new, 0, self.max_new)
+        if not isinstance(self.spec, RowSpec) or self.spec.seed is None:
+            raise ValueError(f"RowAdmission.spec: expected a RowSpec with a seed, got {self.spec!r}")
+        if self.spec.min_new > self.max_new:
+            raise ValueError(f"RowAdmission.spec.min_new: expected at most max_new {self.max_new}, got {self.spec}")
         _int("RowAdmission", "cached", self.cached, 0, len(self.prompt) - 1)
         if self.first is not None:
             _ids("RowAdmission", "first", (self.first,))
-        for name in ("logprobs", "ignore_eos"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RowAdmission.{name}: expected a bool, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["prompt"], d["stop_ids"] = list(self.prompt), list(self.stop_ids)
-        return d
+        return dataclasses.asdict(self) | {"prompt": list(self.prompt), "spec": self.spec.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RowAdmission:
-        sampling = Sampling(**d["sampling"])
-        prompt, stop_ids = tuple(d["prompt"]), tuple(d["stop_ids"])
-        extra = d.get("logprobs", False), d.get("min_new", 0), d.get("ignore_eos", False), d.get("cached", 0)
-        return cls(d["row"], prompt, d["max_new"], sampling, stop_ids, d["seed"], *extra, d.get("first"))
+        return cls(d["row"], tuple(d["prompt"]), d["max_new"], RowSpec.from_dict(d["spec"]), d["cached"], d["first"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS
-from jaxspec.serving.plan import MAX_STOP_IDS
+from jaxspec.decoding.sampling_params import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSpec, Sampling
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 
@@ -79,6 +78,19 @@ class GenerateParams(BaseModel):
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ValueError(f"expected at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives per token, or None when no logprobs are asked for (each endpoint says how it asks)."""
+        return None
+
+    def row_spec(self, seed: int | None, budget: int) -> RowSpec:
+        """One choice's settings: its `seed` (None: the engine draws one) and its `budget` of tokens (min_tokens is
+        capped by it)."""
+        sampling = Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        scored = self.top_logprobs_count is not None
+        stop_ids = tuple(self.stop_token_ids)
+        return RowSpec(sampling, stop_ids, seed, scored, min(self.min_tokens, budget), self.ignore_eos)
 
     def refusal(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this server does not implement, else None."""

@@ -8,8 +8,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from jaxspec.decoding.sampling_params import Sampling
-from jaxspec.serving.plan import MAX_STOP_IDS, TokenLogprob
+from jaxspec.decoding.sampling_params import RowSpec
+from jaxspec.serving.plan import TokenLogprob
 
 log = logging.getLogger("jaxspec.serving")
 
@@ -25,14 +25,10 @@ class Request:
 
     prompt: list[int]
     max_tokens: int
-    sampling: Sampling = Sampling()
-    seed: int | None = None  # None: a random seed
-    stop_ids: tuple[int, ...] = ()  # extra stop token ids (the model's eos always stops)
+    # its settings (seed None: the scheduler draws one and keeps it here; min_new counts from its first token)
+    spec: RowSpec = RowSpec()
     on_update: Callable[[Request, list[int]], None] | None = None
-    logprobs: bool = False  # score each generated token (`token_logprobs`)
     echo: bool = False  # score the prompt's tokens 1.. too (`prompt_logprobs`, set before the first tokens arrive)
-    min_tokens: int = 0  # stop ids (eos and the request's) cannot end it before this many tokens
-    ignore_eos: bool = False  # the model's stop ids do not end it (its own `stop_ids` still do)
     # filled in by the scheduler
     tokens: list[int] = dataclasses.field(default_factory=list)
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token (with logprobs)
@@ -54,15 +50,11 @@ class Request:
             raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
-        if len(self.stop_ids) > MAX_STOP_IDS or any(not 0 <= t < vocab for t in self.stop_ids):
-            raise ValueError(f"stop ids: expected at most {MAX_STOP_IDS} token ids in [0, {vocab})")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens: expected an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
-            raise ValueError(f"seed: expected an integer in [0, 2**32), got {seed!r}")
+        if not isinstance(self.spec, RowSpec):
+            raise ValueError(f"spec: expected a RowSpec, got {self.spec!r}")
+        self.spec.check_vocab(vocab)
+        if self.spec.min_new > self.max_tokens:
+            raise ValueError(f"spec.min_new: expected at most max_tokens {self.max_tokens}, got {self.spec.min_new}")
 
     def notify(self, new: list[int]) -> None:
         """`on_update(self, new)`, if set."""

@@ -132,7 +132,7 @@ class Scheduler:
     def check(self, prompt_len: int, max_tokens: int) -> str | None:
         """Why a request does not fit a slot (None if it does)."""
         cfg, ahead = self.config, self.draft.lookahead
-        need = prompt_len + max_tokens + ahead + 1
+        need = self.draft.reach(prompt_len, prompt_len + max_tokens)
         # A preempted request resumes by prefilling its prompt and its tokens so far (all but the last, at most).
         resumed = prompt_len + (max_tokens - 1 if self._preemptible else 0)
         chunked = -(-resumed // cfg.prefill_chunk) * cfg.prefill_chunk + 1
@@ -236,7 +236,7 @@ class Scheduler:
             if row.done:
                 self.slots[row.row] = None
                 self.tables.release(row.row)
-                stopped = r.tokens and r.tokens[-1] in (() if r.ignore_eos else self.stop_ids) + tuple(r.stop_ids)
+                stopped = r.tokens and r.tokens[-1] in (() if r.spec.ignore_eos else self.stop_ids) + r.spec.stop_ids
                 self._finish(r, "stop" if stopped else "length", new)
             elif new:
                 r.notify(new)
@@ -292,7 +292,8 @@ class Scheduler:
             prompt = (*request.prompt, *request.tokens[:have])
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
             drafter = self.policy.feeds_drafter()
-            cached = self.tables.admit(row, prompt, self._reach(request), lookup=not request.echo, drafter=drafter)
+            reach = self._next_reach(request)
+            cached = self.tables.admit(row, prompt, reach, lookup=not request.echo, drafter=drafter)
             if cached is None:
                 break
             with self._lock:
@@ -300,22 +301,21 @@ class Scheduler:
             self.policy.admitted(drafter)
             if not given:
                 request.cached_tokens = cached
-            if request.seed is None:
-                request.seed = self.seeds()  # kept: a resumed request draws from the same seed
-            scored, stop_ids = request.logprobs or request.echo, tuple(request.stop_ids)
-            budget, min_new = request.max_tokens - have, max(request.min_tokens - have, 0)
-            row_init = (request.sampling, stop_ids, request.seed, scored, min_new, request.ignore_eos, cached)
-            admitted.append(RowAdmission(row, prompt, budget, *row_init, first=given[0] if given else None))
+            if request.spec.seed is None:  # kept: a resumed request draws from the same seed
+                request.spec = dataclasses.replace(request.spec, seed=self.seeds())
+            spec = request.spec
+            row_spec = dataclasses.replace(
+                spec, logprobs=spec.logprobs or request.echo, min_new=max(spec.min_new - have, 0)
+            )
+            first = given[0] if given else None
+            admitted.append(RowAdmission(row, prompt, request.max_tokens - have, row_spec, cached, first))
             request.slot = row
             self.slots[row] = Slot(request, cached, next(self._admissions), len(prompt), drafter)
         return tuple(admitted)
 
-    def _reach(self, request: Request) -> int:
-        """Positions a row must hold after its next segment: its cycles' commits past its end, up to its budget."""
-        J, ahead, cycles = self.draft.num_steps, self.draft.lookahead, self.config.segment_cycles
-        end = len(request.prompt) + len(request.tokens) + 1
-        budget_end = len(request.prompt) + request.max_tokens + ahead + 1
-        return min(end + (cycles - 1) * (J + 1) + ahead + 1, budget_end)
+    def _next_reach(self, request: Request) -> int:
+        """Positions its row must hold after the next segment (the deepest draft's)."""
+        return _row_reach(self.draft, request, self.config.segment_cycles)
 
     def _grow(self) -> tuple[int, ...]:
         """Blocks for what every generating row reaches in the next segment, oldest row first; when the pool runs
@@ -324,7 +324,7 @@ class Scheduler:
         by_age = sorted((s.order, i) for i, s in enumerate(self.slots) if s is not None)
         for _, row in by_age:
             slot = self.slots[row]
-            while slot is not None and not self.tables.grow(row, self._reach(slot.request)):
+            while slot is not None and not self.tables.grow(row, self._next_reach(slot.request)):
                 newest = max((s.order, i) for i, s in enumerate(self.slots) if s is not None)[1]
                 self._preempt(newest)
                 preempted.append(newest)
@@ -360,18 +360,15 @@ class Scheduler:
         """Positions the next segment can touch: every generating row's end plus what its cycles can write (capped by
         its budget), and every prefilling row's prompt plus the lookahead its riding-along cycles write (the
         drafter's cache writes clamp at the window's end, so they must stay inside it)."""
-        J, ahead, cycles = draft.num_steps, draft.lookahead, self.config.segment_cycles
         need = 1
         for slot in self.slots:
             if slot is None:
                 continue
             r = slot.request
-            budget_end = len(r.prompt) + r.max_tokens + ahead + 1
-            if slot.next_chunk is not None:
-                need = max(need, slot.prompt_len + ahead + 1)
-            else:  # +1: a row prefilled in this step has its first token, not yet read
-                end = len(r.prompt) + len(r.tokens) + 1
-                need = max(need, min(end + (cycles - 1) * (J + 1) + ahead + 1, budget_end))
+            if slot.next_chunk is not None:  # a done row: riding-along cycles write as one cycle at its prompt's end
+                need = max(need, draft.reach(slot.prompt_len, len(r.prompt) + r.max_tokens, cycles=1))
+            else:
+                need = max(need, _row_reach(draft, slot.request, self.config.segment_cycles))
         return need
 
     def _finish(self, request: Request, reason: str, new: list[int] | None = None) -> None:
@@ -384,7 +381,15 @@ class Scheduler:
         return finished
 
 
+def _row_reach(draft: DraftShape, request: Request, cycles: int) -> int:
+    """What `request`'s row reaches in `cycles` cycles of `draft` (+1: a row prefilled in this step has its first
+    token, not yet read)."""
+    prompt = len(request.prompt)
+    return draft.reach(prompt + len(request.tokens) + 1, prompt + request.max_tokens, cycles)
+
+
 def _greedy_program_serves(request: Request) -> bool:
     """The static-greedy program can run this request's row: greedy, nothing to score and no stop ids to mask (it has
     no logits)."""
-    return request.sampling.greedy and not (request.logprobs or request.echo or request.min_tokens)
+    spec = request.spec
+    return spec.sampling.greedy and not (spec.logprobs or request.echo or spec.min_new)

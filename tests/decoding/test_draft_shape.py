@@ -1,10 +1,15 @@
 """DraftShape: one value for a cycle's draft shape (chains, trees, plain decoding)."""
 
+import jax.numpy as jnp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxspec.decoding.draft_shape import MAX_DRAFT_TOKENS, MAX_NUM_STEPS, DraftShape, num_candidates
+from jaxspec.decoding.generate import LoopCache
+from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.state import LoopConfig, LoopState
+from sharding.multihost import to_host
 
 
 @pytest.mark.parametrize(
@@ -65,3 +70,32 @@ def test_round_trips(steps, topk, data):
     assert DraftShape.from_dict(shape.to_dict()) == shape
     assert DraftShape.of(shape) is shape and DraftShape.of(steps) == DraftShape(steps)
     assert shape.lookahead >= shape.verify_tokens >= 2
+
+
+@pytest.mark.parametrize("shape", [DraftShape(3), DraftShape(2, topk=2, num_draft_tokens=6)], ids=str)
+def test_reach_bounds_what_the_loop_writes(target, drafter, shape):
+    """`DraftShape.reach` against the loop's own bookkeeping, one cycle at a time: a cycle at length n writes below
+    n + lookahead + 1 (cache slots to n + lookahead, the token buffer to n + num_steps + 2), and after c cycles every
+    row's writes stay inside the reach it had before the first (its prompt and first token, its budget, c cycles),
+    and inside its whole budget's reach however many cycles run (done rows ride along at their length)."""
+    prompts, max_new = [[1, 2, 3, 4, 5], [7] * 9], 11
+    loop = LoopCache.of(target).loop(target, drafter)
+    cfg = LoopConfig(shape, Sampling(), (), 16, 16)
+    params = target.params, drafter.params
+    state = LoopState.empty(target, drafter, shape, 2, 64, greedy=True).with_prompts(prompts, max_new)
+    state = loop.prefill(cfg, *params, state)
+    lengths = []  # each cycle's starting lengths
+    while len(lengths) < 2 * max_new:
+        length_B, done_B = to_host((state.length_B, state.done_B))
+        if done_B.all():
+            break
+        lengths.append(length_B.copy())
+        state = loop.run(cfg, *params, state, jnp.int32(1))
+    assert len(lengths) > 2
+    for row, prompt in enumerate(prompts):
+        tokens, budget = len(prompt) + 1, len(prompt) + max_new  # after the prefill: the prompt and its first token
+        wrote = [int(n[row]) + shape.lookahead + 1 for n in lengths]
+        for c in range(1, len(wrote) + 1):
+            assert max(wrote[:c]) <= shape.reach(tokens, budget, c), (row, c, wrote)
+        assert max(wrote) <= shape.reach(tokens, budget)
+    assert shape.reach(10, 12, 1) == 10 + shape.lookahead + 1 and shape.reach(10, 12) == 12 + shape.lookahead + 1

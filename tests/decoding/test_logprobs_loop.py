@@ -9,7 +9,7 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.generate import LoopCache
-from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.decoding.state import LoopConfig, LoopState, RowInit
 
 CHUNK, CONTEXT, NEW = 8, 64, 12
@@ -26,7 +26,7 @@ def decode(target, drafter, draft: DraftShape):
     params = target.params, drafter.params if drafter is not None else None
     state = LoopState.empty(target, drafter, draft, len(PROMPTS), CONTEXT, per_row=True, logprobs=True)
     for row, prompt in enumerate(PROMPTS):
-        init = RowInit.of(prompt, NEW, Sampling(), (), row, CONTEXT, logprobs=True)
+        init = RowInit.of(prompt, NEW, RowSpec(seed=row, logprobs=True), CONTEXT)
         state = _admit(state, np.int32(row), init)
         for start in range(0, len(prompt), CHUNK):
             state = loop.prefill_slot(cfg, *params, state, np.int32(row), np.int32(start))

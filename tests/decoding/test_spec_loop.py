@@ -168,6 +168,8 @@ def check_pairs_follow_target(target, prompt: list[int], pairs: np.ndarray, samp
         (dict(prompts=[]), "non-empty list"),
         (dict(prompts=[[1, 300]]), "token ids must be in \\[0, 256\\)"),
         (dict(prompts=[[1] * 1020]), "exceeds the context of 1024"),
+        # a tree's lookahead counts (its 6 verified nodes), as serving counts it: 1010 + 10 + 7 > 1024
+        (dict(prompts=[[1] * 1010], max_new_tokens=10, topk=2, num_draft_tokens=6), "\\+ 7 for drafting tree 2x2/6"),
         (dict(num_steps=-1), "num_steps: expected an integer in \\[0, 16\\]"),
         (dict(num_steps=17), "num_steps: expected an integer in \\[0, 16\\]"),
         (dict(temperature=-0.5), "temperature: expected >= 0"),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.sampling_params import MAX_STOP_IDS
+from jaxspec.decoding.sampling_params import MAX_STOP_IDS, RowSpec
 from jaxspec.decoding.state import LoopConfig, LoopState, RowInit
 
 B, S = 4, 32
@@ -44,7 +44,7 @@ def test_empty_declares_every_row_free_with_the_shapes_of_its_draft(empty, targe
     assert empty.target_cache.shape[1:3] == (B, S) and all(c.shape[:2] == (B, S) for c in empty.draft_cache)
     assert empty.reached_J.shape == (2,) and empty.accept_hist_T.shape == (3,)
     assert empty.draft_q_BV.shape == (B, target.vocab_size)  # per-row: a sampled chain keeps its distribution
-    assert empty.stop_ids.shape == (B, MAX_STOP_IDS) and empty.key.shape == (B,)
+    assert empty.settings.stop_ids.shape == (B, MAX_STOP_IDS) and empty.key.shape == (B,)
     greedy_plain = LoopState.empty(target, None, DraftShape(0), B, S, greedy=True)
     assert greedy_plain.draft_cache is None and greedy_plain.draft_q_BV.shape == (B, 1) and greedy_plain.key.ndim == 0
     tree = LoopState.empty(target, drafter, DraftShape(2, topk=2), B, S, greedy=True)
@@ -80,13 +80,14 @@ def test_window_then_put_writes_back_exactly_that_window(empty, rows, positions,
 
 
 def test_admit_writes_one_row_and_leaves_it_done_until_prefilled(empty):
-    init = RowInit.of([5, 6, 7], 9, Sampling(0.7, top_k=4, top_p=0.9), (11, 12), seed=42, context=S)
+    init = RowInit.of([5, 6, 7], 9, RowSpec(Sampling(0.7, top_k=4, top_p=0.9), (11, 12), seed=42), context=S)
     state = jax.jit(lambda s: s.admit(2, init))(empty)
     assert np.asarray(state.tokens_BS)[2, :4].tolist() == [5, 6, 7, 0]
     assert (int(state.prompt_len_B[2]), int(state.length_B[2]), int(state.end_B[2])) == (3, 3, 4)
     assert int(state.max_new_B[2]) == 9 and bool(state.done_B[2])
-    assert np.asarray(state.stop_ids)[2].tolist() == [11, 12] + [-1] * (MAX_STOP_IDS - 2)
-    assert float(state.row_sampling.temperature_B[2]) == pytest.approx(0.7) and int(state.row_sampling.top_k_B[2]) == 4
+    assert np.asarray(state.settings.stop_ids)[2].tolist() == [11, 12] + [-1] * (MAX_STOP_IDS - 2)
+    row_sampling = state.settings.sampling
+    assert float(row_sampling.temperature_B[2]) == pytest.approx(0.7) and int(row_sampling.top_k_B[2]) == 4
     key = jax.random.key_data(state.key)
     np.testing.assert_array_equal(key[2], jax.random.key_data(jax.random.key(42)))
     np.testing.assert_array_equal(np.delete(key, 2, 0), np.delete(jax.random.key_data(empty.key), 2, 0))

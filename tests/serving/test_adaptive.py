@@ -12,6 +12,7 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.adaptive import EXPLORE_SHARE, FEED, FEED_EVERY, FIRST, LOSING, DraftPolicy
 from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor, _gather
@@ -88,7 +89,7 @@ def test_switching_with_the_static_greedy_program(greedy_engine, prompts, refere
 
 def switching_gives_the_reference(engine, prompts, reference, script):
     alone = [Request(prompts[0], 20), Request(prompts[2], 16)]
-    mixed = [Request(prompts[4], 18), Request(prompts[7], 12, Sampling(0.9, top_k=30), seed=3)]
+    mixed = [Request(prompts[4], 18), Request(prompts[7], 12, RowSpec(Sampling(0.9, top_k=30), seed=3))]
     expected = [reference(r.prompt, r.max_tokens) for r in alone + mixed[:1]]  # generate's programs compile here
     traces = engine.executor.loop.traces
     drafts = run(engine, alone, script)
@@ -102,9 +103,9 @@ def test_sampled_rows_are_reproducible_under_a_switching_script(engine, prompts)
     """Each row's draws come from its own key, advanced once per cycle whatever the shape: the same seed and the same
     script give the same tokens, next to another request or alone."""
     script = (CHAIN, PLAIN, PLAIN)
-    first = Request(prompts[3], 16, Sampling(1.0, top_p=0.9), seed=21)
+    first = Request(prompts[3], 16, RowSpec(Sampling(1.0, top_p=0.9), seed=21))
     run(engine, [first, Request(prompts[1], 10)], script)
-    again = Request(prompts[3], 16, Sampling(1.0, top_p=0.9), seed=21)
+    again = Request(prompts[3], 16, RowSpec(Sampling(1.0, top_p=0.9), seed=21))
     run(engine, [again], script)
     assert again.tokens == first.tokens and len(first.tokens) > 1
 
@@ -114,7 +115,7 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
     drafter over them: its cache over every processed position then equals what a fresh prefill of the same tokens
     writes, so the chain drafts from the drafter's distribution at the row's true prefix (what lossless speculative
     sampling needs)."""
-    request = Request(prompts[3], 24, Sampling(0.9), seed=8)
+    request = Request(prompts[3], 24, RowSpec(Sampling(0.9), seed=8))
     engine.scheduler.policy = Scripted((CHAIN, PLAIN, PLAIN, CHAIN))
     engine.submit(request)
     drafts = []
@@ -130,19 +131,11 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
     target, drafter, _ = pair
     c = CONFIG  # the engine's shape: the fresh executor reuses its compiled prefill
     blocks = c.max_context // c.block  # the fresh row holds a whole row of blocks
-    fresh = Executor(
-        target,
-        drafter,
-        CHAIN,
-        max_batch=2,
-        max_context=c.max_context,
-        prefill_chunk=16,
-        stop_ids=engine.stop_ids,
-        pool=(blocks, c.block),
-    )
+    one_chain = dataclasses.replace(c, adaptive=False, kv_cache_tokens=blocks * c.block)  # its prefill, one row's pool
+    fresh = Executor.of(target, drafter, one_chain, stop_ids=engine.stop_ids)
     chunks = tuple(PrefillChunk(0, start) for start in range(0, len(history), 16))
     for i, chunk in enumerate(chunks):
-        admit = (RowAdmission(0, tuple(history), 2, Sampling(0.9), seed=8),) if i == 0 else ()
+        admit = (RowAdmission(0, tuple(history), 2, RowSpec(Sampling(0.9), seed=8)),) if i == 0 else ()
         table = (RowBlocks(0, tuple(range(1, blocks + 1))),) if i == 0 else ()
         fresh.run(StepPlan(i + 1, admit=admit, prefill=(chunk,), blocks=table))
     ours, theirs = (row_draft_cache(e, r) for e, r in ((engine.executor, row), (fresh, 0)))
@@ -160,7 +153,7 @@ def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(
     prompt's last position only: its cache at the prompt's first position keeps what the pool held there, the first
     draft and its distribution q come from the drafter (the draft has positive mass under q: lossless speculative
     sampling needs nothing more), and chains on such rows give the greedy reference, alone and next to a fed row."""
-    requests = [Request(prompts[5], 14), Request(prompts[6], 10, Sampling(0.8), seed=4)]
+    requests = [Request(prompts[5], 14), Request(prompts[6], 10, RowSpec(Sampling(0.8), seed=4))]
     expected = reference(requests[0].prompt, 14)
     engine.scheduler.policy = Scripted((CHAIN, PLAIN))
     engine.scheduler.policy.feed = False

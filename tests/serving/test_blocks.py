@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.blocks import BlockPool, BlockTables, chain_keys
 from jaxspec.serving.request import Request
 from tests.serving.test_scheduler import EOS, FakeExecutor, FakeRow, Shape, make, token
@@ -100,8 +101,8 @@ class PoolRow(FakeRow):
 
     def emit(self) -> None:
         a = self.admission
-        self.tokens.append(token(a.seed, len(self.tokens)))
-        self.done = self.tokens[-1] in (EOS, *a.stop_ids) or self.generated() >= a.max_new
+        self.tokens.append(token(a.spec.seed, len(self.tokens)))
+        self.done = self.tokens[-1] in (EOS, *a.spec.stop_ids) or self.generated() >= a.max_new
 
 
 def expected(prompt, max_new: int, seed: int) -> list[int]:
@@ -169,7 +170,8 @@ def serve(shape: Shape, batches: list[list[Request]], served: tuple | None = Non
             steps += 1
             assert steps < 500, "the scheduler does not finish"
         for r in batch:
-            assert r.tokens == expected(r.prompt, r.max_tokens, r.seed) and r.finish_reason in ("stop", "length"), r
+            assert r.tokens == expected(r.prompt, r.max_tokens, r.spec.seed), r
+            assert r.finish_reason in ("stop", "length"), r
     return scheduler, executor
 
 
@@ -181,10 +183,10 @@ def test_chat_requests_share_the_system_prompt_up_to_the_block_whose_next_token_
     the others reuse all 40 positions (token 40 is the system prompt's last), and so does the system prompt alone
     (its last position, 40, is prefilled); a prompt of the first 40 tokens reuses 32 (its last position, 39, is
     always prefilled), and so does one with a different 41st token (block 4's drafter entry pairs with token 40)."""
-    first = Request(SYSTEM + [11, 12, 13], 6, seed=1)
-    later = [Request(SYSTEM + [20 + i] * (i + 1), 6, seed=2 + i) for i in range(3)]
-    alone, edge = Request(SYSTEM, 4, seed=8), Request(SYSTEM[:40], 4, seed=9)
-    other = Request(SYSTEM[:40] + [44, 45], 4, seed=10)
+    first = Request(SYSTEM + [11, 12, 13], 6, RowSpec(seed=1))
+    later = [Request(SYSTEM + [20 + i] * (i + 1), 6, RowSpec(seed=2 + i)) for i in range(3)]
+    alone, edge = Request(SYSTEM, 4, RowSpec(seed=8)), Request(SYSTEM[:40], 4, RowSpec(seed=9))
+    other = Request(SYSTEM[:40] + [44, 45], 4, RowSpec(seed=10))
     scheduler, _ = serve(Shape(), [[first], later + [alone, edge, other]])
     assert first.cached_tokens == 0 and [r.cached_tokens for r in later + [alone]] == [40, 40, 40, 40]
     assert edge.cached_tokens == 32 and other.cached_tokens == 32
@@ -194,9 +196,17 @@ def test_chat_requests_share_the_system_prompt_up_to_the_block_whose_next_token_
 
 def test_prompts_ending_inside_a_block_on_its_edge_and_one_a_prefix_of_another():
     base = list(range(10, 42))  # 32 tokens: 4 blocks
-    inside, edge, exact = Request(base[:21], 5, seed=1), Request(base[:24], 5, seed=2), Request(base, 5, seed=3)
-    again = [Request(base[:21], 5, seed=4), Request(base[:24], 5, seed=5), Request(base, 5, seed=6)]
-    longer = Request(base + [7, 8], 5, seed=7)
+    inside, edge, exact = (
+        Request(base[:21], 5, RowSpec(seed=1)),
+        Request(base[:24], 5, RowSpec(seed=2)),
+        Request(base, 5, RowSpec(seed=3)),
+    )
+    again = [
+        Request(base[:21], 5, RowSpec(seed=4)),
+        Request(base[:24], 5, RowSpec(seed=5)),
+        Request(base, 5, RowSpec(seed=6)),
+    ]
+    longer = Request(base + [7, 8], 5, RowSpec(seed=7))
     serve(Shape(), [[inside, edge, exact], again + [longer]])
     # the full prompt's last block (positions 24..31) was never cached: its next token lies past that prompt
     assert [r.cached_tokens for r in again] == [16, 16, 24] and longer.cached_tokens == 24
@@ -205,7 +215,7 @@ def test_prompts_ending_inside_a_block_on_its_edge_and_one_a_prefix_of_another()
 def test_concurrent_requests_share_the_blocks_of_a_running_one():
     """A request admitted while another with the same prefix generates takes that one's blocks (held by both)."""
     scheduler, executor = make(), PoolExecutor(Shape())
-    a, b = Request(SYSTEM + [1], 30, seed=1), Request(SYSTEM + [2], 5, seed=2)
+    a, b = Request(SYSTEM + [1], 30, RowSpec(seed=1)), Request(SYSTEM + [2], 5, RowSpec(seed=2))
     scheduler.submit(a)
     while not a.tokens:
         scheduler.update(executor.run(scheduler.schedule()))
@@ -221,7 +231,7 @@ def test_requests_needing_more_than_the_pool_complete_through_preemption():
     """A pool of 24 blocks (192 positions) for four slots of 128: eight requests that each reach up to 100
     positions preempt one another (the newest first) and are resumed by recompute; each gets its own tokens."""
     shape = Shape(pool_blocks=24)
-    requests = [Request([10 + i] * (20 + 5 * i), 40 + 5 * (i % 3), seed=i) for i in range(8)]
+    requests = [Request([10 + i] * (20 + 5 * i), 40 + 5 * (i % 3), RowSpec(seed=i)) for i in range(8)]
     scheduler, _ = serve(shape, [requests])
     assert scheduler.preemptions > 0 and scheduler.tables.pool.used == 0
     assert scheduler.check(60, 60) is None and "cache pool" in make(Shape(pool_blocks=12)).check(60, 60)
@@ -230,15 +240,15 @@ def test_requests_needing_more_than_the_pool_complete_through_preemption():
 def test_eviction_under_pool_pressure_keeps_the_recently_used_prefixes():
     shape = Shape(max_batch=1, pool_blocks=16)
     prompts = [[20 + i] * 33 for i in range(4)]  # each caches 4 blocks
-    served = serve(shape, [[Request(p, 4, seed=1)] for p in prompts])
+    served = serve(shape, [[Request(p, 4, RowSpec(seed=1))] for p in prompts])
     assert served[0].tables.pool.cached <= 16
-    last, first = Request(prompts[-1], 4, seed=2), Request(prompts[0], 4, seed=3)
+    last, first = Request(prompts[-1], 4, RowSpec(seed=2)), Request(prompts[0], 4, RowSpec(seed=3))
     serve(shape, [[last], [first]], served)
     # the oldest prefix lost blocks to the newer ones (its tail first: what is left of it is still a prefix)
     assert last.cached_tokens == 32 and first.cached_tokens < 32
 
 
 def test_without_the_prefix_cache_nothing_is_looked_up_or_cached():
-    a, b = Request(SYSTEM + [1], 4, seed=1), Request(SYSTEM + [2], 4, seed=2)
+    a, b = Request(SYSTEM + [1], 4, RowSpec(seed=1)), Request(SYSTEM + [2], 4, RowSpec(seed=2))
     scheduler, _ = serve(Shape(prefix_cache=False), [[a], [b]])
     assert b.cached_tokens == 0 and scheduler.tables.pool.cached == 0 and scheduler.tables.queries == 0

@@ -7,6 +7,7 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
+from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import EngineConfig, QueueFull, Request
 from tests.serving.conftest import NUM_STEPS, warm_engine
 
@@ -38,7 +39,7 @@ def test_admission_eviction_and_batch_independent_greedy(engine, prompts, refere
     single-request `jaxspec.generate` output. A seeded sampled request rides along and comes out the same as alone."""
     budgets = [12, 5, 20, 7, 16, 9]
     greedy = [Request(prompts[i], budgets[i]) for i in range(5)]
-    sampled = Request(prompts[5], budgets[5], Sampling(0.9, top_k=40, top_p=0.95), seed=11)
+    sampled = Request(prompts[5], budgets[5], RowSpec(Sampling(0.9, top_k=40, top_p=0.95), seed=11))
     occupancy = []
     for r in greedy[:3] + [sampled] + greedy[3:]:
         engine.submit(r)
@@ -51,7 +52,7 @@ def test_admission_eviction_and_batch_independent_greedy(engine, prompts, refere
         assert r.finished and r.slot is None
         assert r.tokens == reference(r.prompt, budget), r.prompt
         assert r.finish_reason == ("stop" if r.tokens[-1] in engine.stop_ids else "length")
-    alone = Request(prompts[5], budgets[5], Sampling(0.9, top_k=40, top_p=0.95), seed=11)
+    alone = Request(prompts[5], budgets[5], RowSpec(Sampling(0.9, top_k=40, top_p=0.95), seed=11))
     engine.submit(alone)
     engine.run_until_idle()
     # alone reuses the cached blocks of sampled's prompt (and its key skips their chunks): the same draws
@@ -131,8 +132,8 @@ def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_
     try:
         requests = [
             Request(prompts[0], 10),
-            Request(prompts[3], 12, Sampling(0.8, top_k=20), seed=5),
-            Request(prompts[6], 9, Sampling(1.0)),  # no seed: the scheduler draws one into the plan
+            Request(prompts[3], 12, RowSpec(Sampling(0.8, top_k=20), seed=5)),
+            Request(prompts[6], 9, RowSpec(Sampling(1.0))),  # no seed: the scheduler draws one into the plan
             Request(prompts[1], 30),
         ]
         for r in requests:
@@ -145,17 +146,7 @@ def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_
         del engine.executor.run
     assert all(r.finished for r in requests) and requests[3].finish_reason == "cancelled"
     target, drafter, _ = pair
-    c = engine.config
-    fresh = Executor(
-        target,
-        drafter,
-        c.draft,
-        max_batch=c.max_batch,
-        max_context=c.max_context,
-        prefill_chunk=c.prefill_chunk,
-        stop_ids=engine.stop_ids,
-        pool=(c.pool_blocks, c.block),
-    )
+    fresh = Executor.of(target, drafter, engine.config, stop_ids=engine.stop_ids)
     replayed = [fresh.run(StepPlan.from_bytes(plan)) for plan, _ in log]
     assert [r.rows for r in replayed] == [r.rows for _, r in log]
     assert [r.counters for r in replayed] == [r.counters and r.counters.minus(before) for _, r in log]

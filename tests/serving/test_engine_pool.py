@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import Engine, EngineConfig, Request
 from tests.serving.test_engine import CONFIG
 
@@ -60,8 +61,8 @@ def test_prefix_hits_give_the_cold_greedy_and_sampled_tokens(engine, prompts, re
     def batch():
         chat = [Request(system + u, 12) for u in users]
         edge = Request(system[:32], 8)  # ends on a block edge: reuses 16 (its last position is prefilled)
-        inside = Request(system[:37], 8, sampling, seed=3)  # ends inside a block
-        return chat + [edge, inside, Request(system + users[0], 10, sampling, seed=7)]
+        inside = Request(system[:37], 8, RowSpec(sampling, seed=3))  # ends inside a block
+        return chat + [edge, inside, Request(system + users[0], 10, RowSpec(sampling, seed=7))]
 
     engine.scheduler.tables.pool.clear()
     cold = serve(engine, batch(), cache=False)
@@ -86,8 +87,8 @@ def test_requests_needing_more_than_the_pool_complete_with_their_single_request_
     def batch():
         return [
             Request(text[:60], 24),
-            Request(text[60:103], 24, sampling, seed=5),
-            Request(text[103:130], 20, sampling, seed=9),
+            Request(text[60:103], 24, RowSpec(sampling, seed=5)),
+            Request(text[103:130], 20, RowSpec(sampling, seed=9)),
         ]
 
     before = engine.scheduler.preemptions

@@ -7,6 +7,7 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import EngineConfig, Request
 from tests.serving.conftest import warm_engine
 
@@ -31,13 +32,13 @@ def test_tree_engine_greedy_equals_generate_and_sampling_is_batch_independent(en
     budgets = [12, 20, 7, 16]
     greedy = [Request(prompts[i], budgets[i]) for i in range(4)]
     settings = Sampling(0.9, top_k=40, top_p=0.95)
-    sampled = Request(prompts[5], 9, settings, seed=11)
+    sampled = Request(prompts[5], 9, RowSpec(settings, seed=11))
     for r in greedy[:2] + [sampled] + greedy[2:]:
         engine.submit(r)
     engine.run_until_idle()
     for r, budget in zip(greedy, budgets, strict=True):
         assert r.finished and r.tokens == reference(r.prompt, budget), r.prompt
-    alone = Request(prompts[5], 9, settings, seed=11)
+    alone = Request(prompts[5], 9, RowSpec(settings, seed=11))
     engine.submit(alone)
     engine.run_until_idle()
     # alone reuses the batch's cached prompt blocks: a tree's cache compaction never rewrites a shared block

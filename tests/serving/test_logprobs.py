@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
-from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS
+from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS, RowSpec
 from jaxspec.serving.engine import Engine, Request
 from tests.serving.test_engine import CONFIG
 
@@ -55,8 +55,8 @@ def check_against_forward(scores, lp_TV: np.ndarray, tokens: list[int], first: i
 def test_greedy_speculative_logprobs_equal_plain_decoding_and_one_full_forward(engines, pair, prompts):
     spec, plain = engines
     asks = [(prompts[1], 14), (prompts[4], 9)]  # 43 tokens (3 prefill chunks of 16) and 9 (one)
-    got = run(spec, [Request(p, n, logprobs=True, echo=True) for p, n in asks])
-    want = run(plain, [Request(p, n, logprobs=True, echo=True) for p, n in asks])
+    got = run(spec, [Request(p, n, RowSpec(logprobs=True), echo=True) for p, n in asks])
+    want = run(plain, [Request(p, n, RowSpec(logprobs=True), echo=True) for p, n in asks])
     target = pair[0]
     for g, w in zip(got, want, strict=True):
         assert g.tokens == w.tokens and len(g.token_logprobs) == len(g.tokens)
@@ -74,8 +74,8 @@ def test_greedy_speculative_logprobs_equal_plain_decoding_and_one_full_forward(e
 def test_sampled_logprobs_are_the_targets_raw_scores_and_rows_without_them_are_unaffected(engines, pair, prompts):
     spec, _ = engines
     settings = Sampling(0.7, top_k=5)
-    scored = Request(prompts[2], 12, settings, seed=3, logprobs=True)
-    bare = Request(prompts[2], 12, settings, seed=3)
+    scored = Request(prompts[2], 12, RowSpec(settings, seed=3, logprobs=True))
+    bare = Request(prompts[2], 12, RowSpec(settings, seed=3))
     run(spec, [scored, bare])
     assert scored.tokens == bare.tokens  # scoring changes nothing of what is generated
     assert bare.token_logprobs == [] and bare.prompt_logprobs is None and scored.prompt_logprobs is None
@@ -91,8 +91,8 @@ def test_min_tokens_masks_stop_ids_and_greedy_speculative_equals_plain(engines, 
     ref = reference(prompts[5], 12)
     k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
     stop = (ref[k],)
-    assert run(spec, [Request(prompts[5], 12, stop_ids=stop)])[0].tokens == ref[: k + 1]
-    asks = lambda: [Request(prompts[5], 12, stop_ids=stop, min_tokens=k + 3, logprobs=True)]  # noqa: E731
+    assert run(spec, [Request(prompts[5], 12, RowSpec(stop_ids=stop))])[0].tokens == ref[: k + 1]
+    asks = lambda: [Request(prompts[5], 12, RowSpec(stop_ids=stop, min_new=k + 3, logprobs=True))]  # noqa: E731
     (got,), (want,) = run(spec, asks()), run(plain, asks())
     assert got.tokens == want.tokens and got.tokens[:k] == ref[:k] and stop[0] not in got.tokens[: k + 3]
     top_ids = got.token_logprobs[k][1]
@@ -106,7 +106,10 @@ def test_tree_logprobs_equal_one_full_forward(pair, prompts):
 
     target, drafter, tokenizer = pair
     engine = Engine(target, drafter, TREE, stop_ids=tokenizer.stop_ids)
-    asks = [Request(prompts[1], 14, logprobs=True), Request(prompts[3], 10, Sampling(0.8), seed=4, logprobs=True)]
+    asks = [
+        Request(prompts[1], 14, RowSpec(logprobs=True)),
+        Request(prompts[3], 10, RowSpec(Sampling(0.8), seed=4, logprobs=True)),
+    ]
     for r in run(engine, asks):
         sequence = r.prompt + r.tokens
         check_against_forward(r.token_logprobs, forward_scores(target, sequence), sequence, len(r.prompt))

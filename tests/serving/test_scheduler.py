@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxspec.decoding.draft_shape import DraftShape
-from jaxspec.decoding.sampling_params import Sampling
+from jaxspec.decoding.sampling_params import RowSpec, Sampling
 from jaxspec.serving.plan import (
     Counters,
     PrefillChunk,
@@ -78,8 +78,8 @@ class FakeRow:
 
     def emit(self) -> None:
         a = self.admission
-        self.tokens.append(token(a.seed, self.generated()))
-        stops = a.stop_ids if a.ignore_eos else (EOS, *a.stop_ids)
+        self.tokens.append(token(a.spec.seed, self.generated()))
+        stops = a.spec.stop_ids if a.spec.ignore_eos else (EOS, *a.spec.stop_ids)
         self.done = self.tokens[-1] in stops or self.generated() >= a.max_new
 
 
@@ -127,7 +127,7 @@ class FakeExecutor:
                     continue
                 # every occupied row writes up to lookahead positions past its length: inside the window
                 assert len(row.tokens) + ahead <= seg.positions, (i, len(row.tokens), seg)
-                for _ in range(1 + (row.admission.seed + self.cycle) % (seg.draft.num_steps + 1)):
+                for _ in range(1 + (row.admission.spec.seed + self.cycle) % (seg.draft.num_steps + 1)):
                     if not row.done:
                         row.emit()
 
@@ -158,7 +158,7 @@ def test_requests_come_out_as_alone_through_the_fake_executor():
     right reason, and the reports account for every token and every finish."""
     scheduler, executor = make(), FakeExecutor(Shape())
     requests = [
-        Request([1 + i] * (3 + 5 * i % 20), 4 + (3 * i) % 11, seed=i, stop_ids=(i % 5 + 10,) if i % 3 else ())
+        Request([1 + i] * (3 + 5 * i % 20), 4 + (3 * i) % 11, RowSpec(seed=i, stop_ids=(i % 5 + 10,) if i % 3 else ()))
         for i in range(12)
     ]
     for r in requests[:8]:
@@ -173,8 +173,8 @@ def test_requests_come_out_as_alone_through_the_fake_executor():
             for r in requests[8:]:
                 scheduler.submit(r)
     for r in requests:
-        assert r.tokens == expected(r.prompt, r.max_tokens, r.seed, r.stop_ids), r
-        stopped = r.tokens[-1] in (EOS, *r.stop_ids)
+        assert r.tokens == expected(r.prompt, r.max_tokens, r.spec.seed, r.spec.stop_ids), r
+        stopped = r.tokens[-1] in (EOS, *r.spec.stop_ids)
         assert r.finish_reason == ("stop" if stopped else "length") and r.slot is None
     assert delivered == sum(len(r.tokens) for r in requests) and sorted(map(id, finished)) == sorted(map(id, requests))
     assert scheduler.slots == [None] * 4 and not scheduler.has_work
@@ -182,7 +182,7 @@ def test_requests_come_out_as_alone_through_the_fake_executor():
 
 def test_admission_takes_the_lowest_free_slots_in_arrival_order():
     scheduler, executor = make(Shape(max_batch=2)), FakeExecutor(Shape(max_batch=2))
-    a, b, c, d = (Request([5] * 4, n, seed=9) for n in (1, 60, 2, 2))
+    a, b, c, d = (Request([5] * 4, n, RowSpec(seed=9)) for n in (1, 60, 2, 2))
     for r in (a, b, c, d):
         scheduler.submit(r)
     plan, _ = step(scheduler, executor)
@@ -198,7 +198,7 @@ def test_admission_takes_the_lowest_free_slots_in_arrival_order():
 
 def test_prefill_runs_one_chunk_per_step_while_the_others_generate():
     scheduler, executor = make(), FakeExecutor(Shape())
-    short, long = Request([1] * 3, 20, seed=1), Request(list(range(1, 21)), 5, seed=2)
+    short, long = Request([1] * 3, 20, RowSpec(seed=1)), Request(list(range(1, 21)), 5, RowSpec(seed=2))
     scheduler.submit(short)
     step(scheduler, executor)
     scheduler.submit(long)
@@ -215,16 +215,18 @@ def test_queue_limit_and_bad_requests_name_the_field():
     with pytest.raises(QueueFull, match="holds 3 waiting requests"):
         scheduler.submit(Request([1, 2], 3))
     for request, match in [
-        (Request([], 3), "prompt: expected a non-empty list of token ids in \\[0, 50\\)"),
-        (Request([1, VOCAB], 3), "prompt: expected"),
-        (Request([1], 0), "max_tokens: expected an integer >= 1, got 0"),
-        (Request([1], True), "max_tokens"),
-        (Request([1], 3, stop_ids=tuple(range(9))), "stop ids: expected at most 8"),
-        (Request([1], 3, seed=-1), "seed: expected an integer in \\[0, 2\\*\\*32\\)"),
-        (Request([1] * 30, 100), "exceeds the context of 128 positions"),
+        (lambda: Request([], 3), "prompt: expected a non-empty list of token ids in \\[0, 50\\)"),
+        (lambda: Request([1, VOCAB], 3), "prompt: expected"),
+        (lambda: Request([1], 0), "max_tokens: expected an integer >= 1, got 0"),
+        (lambda: Request([1], True), "max_tokens"),
+        (lambda: Request([1], 3, RowSpec(stop_ids=tuple(range(9)))), "RowSpec.stop_ids: expected at most 8"),
+        (lambda: Request([1], 3, RowSpec(stop_ids=(VOCAB,))), "RowSpec.stop_ids: expected token ids in \\[0, 50\\)"),
+        (lambda: Request([1], 3, RowSpec(seed=-1)), "RowSpec.seed: expected an integer in \\[0, 4294967295\\]"),
+        (lambda: Request([1], 3, RowSpec(min_new=4)), "spec.min_new: expected at most max_tokens 3"),
+        (lambda: Request([1] * 30, 100), "exceeds the context of 128 positions"),
     ]:
         with pytest.raises(ValueError, match=match):
-            scheduler.submit(request)
+            scheduler.submit(request())
     assert scheduler.queue_depth == 3
     # 120 + 3 new tokens + lookahead 4 + 1 = 128 fits; one more token does not. A prompt is also chunk-padded.
     assert scheduler.check(120, 3) is None and "exceeds" in scheduler.check(120, 4)
@@ -235,8 +237,10 @@ def test_queue_limit_and_bad_requests_name_the_field():
 def test_cancel_frees_the_slot_at_once(when):
     scheduler, executor = make(Shape(max_batch=1)), FakeExecutor(Shape(max_batch=1))
     updates = []
-    first = Request([1] * 20, 30, seed=3, on_update=lambda r, new: updates.append((list(new), r.finish_reason)))
-    after = Request([2] * 3, 4, seed=4)
+    first = Request(
+        [1] * 20, 30, RowSpec(seed=3), on_update=lambda r, new: updates.append((list(new), r.finish_reason))
+    )
+    after = Request([2] * 3, 4, RowSpec(seed=4))
     scheduler.submit(first)
     if when != "queued":
         step(scheduler, executor)  # admitted, its first chunk of three
@@ -259,7 +263,7 @@ def test_cancel_frees_the_slot_at_once(when):
 
 def test_row_bucket_covers_the_highest_generating_row():
     scheduler, executor = make(), FakeExecutor(Shape())
-    rows = [Request([1] * 3, 30, seed=s) for s in range(3)]
+    rows = [Request([1] * 3, 30, RowSpec(seed=s)) for s in range(3)]
     for r in rows:
         scheduler.submit(r)
     plan, _ = step(scheduler, executor)
@@ -270,8 +274,8 @@ def test_row_bucket_covers_the_highest_generating_row():
     scheduler.cancel(rows[1])
     assert step(scheduler, executor)[0].segment.rows == 1
     scheduler.cancel(rows[0])
-    scheduler.submit(Request([1] * 3, 30, seed=5))
-    scheduler.submit(late := Request([1] * 3, 30, seed=6))
+    scheduler.submit(Request([1] * 3, 30, RowSpec(seed=5)))
+    scheduler.submit(late := Request([1] * 3, 30, RowSpec(seed=6)))
     step(scheduler, executor)
     scheduler.cancel(scheduler.slots[0].request)
     assert late.slot == 1 and step(scheduler, executor)[0].segment.rows == 2  # row 1 alone still needs 2 rows
@@ -293,7 +297,7 @@ def test_context_bucket_covers_what_every_row_can_reach(draft):
     lookahead. The fake executor checks every cycle's writes stay inside the window."""
     shape = Shape(max_batch=2, contexts=tuple(range(1, 129)))
     scheduler, executor = make(shape, draft), FakeExecutor(shape)
-    a, b = Request([1] * 5, 40, seed=5), Request([1] * 30, 4, seed=2)
+    a, b = Request([1] * 5, 40, RowSpec(seed=5)), Request([1] * 30, 4, RowSpec(seed=2))
     scheduler.submit(a)
     step(scheduler, executor)
     seen: set[str] = set()  # the cases met
@@ -315,14 +319,14 @@ def test_context_bucket_covers_what_every_row_can_reach(draft):
 
 def test_program_is_static_greedy_only_while_every_occupied_row_is_greedy():
     scheduler, executor = make(), FakeExecutor(Shape())
-    scheduler.submit(Request([1] * 3, 45, seed=5))  # its tokens reach no stop id before 45
+    scheduler.submit(Request([1] * 3, 45, RowSpec(seed=5)))  # its tokens reach no stop id before 45
     step(scheduler, executor)
     assert step(scheduler, executor)[0].segment.greedy
-    sampled = Request([1] * 20, 5, Sampling(0.7, top_k=5), seed=2)
+    sampled = Request([1] * 20, 5, RowSpec(Sampling(0.7, top_k=5), seed=2))
     scheduler.submit(sampled)
     plan, _ = step(scheduler, executor)
     assert plan.prefill and not plan.segment.greedy  # a sampled row still prefilling already counts
-    assert plan.admit[0].sampling == Sampling(0.7, top_k=5)
+    assert plan.admit[0].spec.sampling == Sampling(0.7, top_k=5)
     drain_until = lambda: sampled.finished
     while not drain_until():
         assert not step(scheduler, executor)[0].segment.greedy
@@ -334,17 +338,17 @@ def test_program_is_static_greedy_only_while_every_occupied_row_is_greedy():
     assert step(scheduler, executor)[0].segment.draft == DraftShape(3) and plan.segment.cycles == 2
 
 
-@pytest.mark.parametrize("asks", [dict(logprobs=True), dict(echo=True), dict(min_tokens=2)])
+@pytest.mark.parametrize("asks", [RowSpec(seed=5, logprobs=True), "echo", RowSpec(seed=5, min_new=2)])
 def test_a_greedy_row_that_needs_logits_runs_the_per_row_program(asks):
     """Logprobs, echo and min_tokens need the target's logits (the static-greedy program has an argmax head): the
     admission carries them and every segment while the row is occupied runs the per-row program; the echo read
     asks for the prompt's scores once, at the first read."""
     scheduler, executor = make(), FakeExecutor(Shape())
-    r = Request([1] * 3, 6, seed=5, **asks)
+    r = Request([1] * 3, 6, RowSpec(seed=5), echo=True) if asks == "echo" else Request([1] * 3, 6, asks)
     scheduler.submit(r)
     plan, _ = step(scheduler, executor)
     a = plan.admit[0]
-    assert (a.logprobs, a.min_new) == (bool(r.logprobs or r.echo), r.min_tokens)
+    assert (a.spec.logprobs, a.spec.min_new) == (bool(r.spec.logprobs or r.echo), r.spec.min_new)
     assert [x.prompt for x in plan.read] == [r.echo]
     while not r.finished:
         plan, _ = step(scheduler, executor)
@@ -355,41 +359,41 @@ def test_ignore_eos_is_the_rows_own_flag():
     """ignore_eos goes to the device in the admission (the row generates past the model's eos, its own stop ids still
     end it), and a row that ran to its budget finishes "length" even when its last token is the eos."""
     seed = next(s for s in range(VOCAB) if EOS in [token(s, i) for i in range(4)])
-    plain, through = Request([1] * 3, 12, seed=seed), Request([1] * 3, 12, seed=seed, ignore_eos=True)
+    plain, through = Request([1] * 3, 12, RowSpec(seed=seed)), Request([1] * 3, 12, RowSpec(seed=seed, ignore_eos=True))
     scheduler, executor = make(), FakeExecutor(Shape())
     for r in (plain, through):
         scheduler.submit(r)
     plans = drain(scheduler, executor)
-    assert [a.ignore_eos for p in plans for a in p.admit] == [False, True]
+    assert [a.spec.ignore_eos for p in plans for a in p.admit] == [False, True]
     assert plain.tokens == expected([1] * 3, 12, seed) and plain.finish_reason == "stop"
     assert through.tokens == [token(seed, i) for i in range(12)] and through.finish_reason == "length"
     assert EOS in through.tokens[:4]
     ends = next(s for s in range(VOCAB) if token(s, 1) == EOS and EOS not in (token(s, 0),))
-    last = Request([1] * 3, 2, seed=ends, ignore_eos=True)
+    last = Request([1] * 3, 2, RowSpec(seed=ends, ignore_eos=True))
     scheduler.submit(last)
     drain(scheduler, executor)
     assert last.tokens[-1] == EOS and last.finish_reason == "length"
     with pytest.raises(ValueError, match="ignore_eos: expected a bool"):
-        scheduler.submit(Request([1] * 3, 2, ignore_eos=1))
+        Request([1] * 3, 2, RowSpec(ignore_eos=1))
 
 
 def test_seeds_are_drawn_by_the_scheduler_and_written_into_the_plan():
     drawn = iter([77, 78, 79])
     scheduler = make(seeds=lambda: next(drawn))
     for seed in (None, 5, None):
-        scheduler.submit(Request([1] * 3, 4, seed=seed))
+        scheduler.submit(Request([1] * 3, 4, RowSpec(seed=seed)))
     plan = scheduler.schedule()
-    assert [a.seed for a in plan.admit] == [77, 5, 78]
+    assert [a.spec.seed for a in plan.admit] == [77, 5, 78]
     default = Scheduler(Shape(), DraftShape(3), vocab_size=VOCAB)
     default.submit(Request([1] * 3, 4))
     default.submit(Request([1] * 3, 4))
-    seeds = [a.seed for a in default.schedule().admit]
+    seeds = [a.spec.seed for a in default.schedule().admit]
     assert all(0 <= s < 2**32 for s in seeds) and seeds[0] != seeds[1]
 
 
 def test_abandon_finishes_everything_and_frees_the_rows_next_step():
     scheduler, executor = make(Shape(max_batch=2)), FakeExecutor(Shape(max_batch=2))
-    requests = [Request([1] * 3, 30, seed=s) for s in range(3)]
+    requests = [Request([1] * 3, 30, RowSpec(seed=s)) for s in range(3)]
     for r in requests:
         scheduler.submit(r)
     step(scheduler, executor)
@@ -398,8 +402,8 @@ def test_abandon_finishes_everything_and_frees_the_rows_next_step():
     assert scheduler.slots == [None, None] and scheduler.queue_depth == 0 and scheduler.has_work
     plan, _ = step(scheduler, executor)
     assert plan.free == (0, 1) and not plan.busy and not scheduler.has_work
-    kept = Request([1] * 3, 4, seed=1)
-    scheduler.submit(running := Request([1] * 3, 30, seed=2))
+    kept = Request([1] * 3, 4, RowSpec(seed=1))
+    scheduler.submit(running := Request([1] * 3, 30, RowSpec(seed=2)))
     step(scheduler, executor)
     scheduler.submit(kept)
     assert scheduler.abandon("error", queued=False).finished == (running,)  # a failed step: the queue stays
@@ -422,8 +426,8 @@ def test_plan_and_result_round_trip_through_bytes():
         step=12,
         free=(3, 1),
         admit=(
-            RowAdmission(1, (5, 6, 7), 9, Sampling(0.1, top_k=40, top_p=0.95), (11, 12), 2**32 - 1),
-            RowAdmission(3, (8,) * 70, 4, logprobs=True, min_new=2, ignore_eos=True, cached=64),
+            RowAdmission(1, (5, 6, 7), 9, RowSpec(Sampling(0.1, top_k=40, top_p=0.95), (11, 12), 2**32 - 1)),
+            RowAdmission(3, (8,) * 70, 4, RowSpec(seed=0, logprobs=True, min_new=2, ignore_eos=True), cached=64),
         ),
         prefill=(PrefillChunk(1, 0), PrefillChunk(2, 64)),
         segment=Segment(4, 256, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
@@ -431,7 +435,7 @@ def test_plan_and_result_round_trip_through_bytes():
         blocks=(RowBlocks(1, (4, 2, 9)), RowBlocks(3, ())),
     )
     again = StepPlan.from_bytes(plan.to_bytes())
-    assert again == plan and again.admit[0].sampling.temperature == 0.1 and again.segment.draft.tree
+    assert again == plan and again.admit[0].spec.sampling.temperature == 0.1 and again.segment.draft.tree
     assert StepPlan.from_bytes(StepPlan(1).to_bytes()) == StepPlan(1) and not StepPlan(1).busy
     result = StepResult(
         12,
@@ -445,7 +449,7 @@ def test_plan_and_result_round_trip_through_bytes():
         StepResult.from_bytes(result.to_bytes()) == result
         and StepResult.from_bytes(StepResult(2).to_bytes()).rows == ()
     )
-    with pytest.raises(ValueError, match="StepPlan.from_bytes: expected kind 'StepPlan' in format 1"):
+    with pytest.raises(ValueError, match="StepPlan.from_bytes: expected kind 'StepPlan' in format 2"):
         StepPlan.from_bytes(result.to_bytes())
     with pytest.raises(ValueError, match="StepPlan.from_bytes: not a serialised StepPlan"):
         StepPlan.from_bytes(b"\xff")
@@ -456,8 +460,13 @@ def test_plan_values_refuse_bad_fields_by_name():
         (lambda: RowAdmission(-1, (1,), 1), "RowAdmission.row: expected an integer >= 0, got -1"),
         (lambda: RowAdmission(0, (), 1), "RowAdmission.prompt: expected at least one"),
         (lambda: RowAdmission(0, [1], 1), "RowAdmission.prompt: expected a tuple of token ids"),
-        (lambda: RowAdmission(0, (1,), 1, seed=2**32), "RowAdmission.seed: expected an integer in \\[0, 4294967295\\]"),
-        (lambda: RowAdmission(0, (1,), 1, stop_ids=tuple(range(9))), "RowAdmission.stop_ids: expected at most 8"),
+        (lambda: RowAdmission(0, (1,), 1, RowSpec()), "RowAdmission.spec: expected a RowSpec with a seed"),
+        (lambda: RowAdmission(0, (1,), 1, RowSpec(seed=0, min_new=2)), "RowAdmission.spec.min_new: expected at most"),
+        (lambda: RowSpec(seed=2**32), "RowSpec.seed: expected an integer in \\[0, 4294967295\\]"),
+        (lambda: RowSpec(stop_ids=tuple(range(9))), "RowSpec.stop_ids: expected at most 8"),
+        (lambda: RowSpec(Sampling(), [1]), "RowSpec.stop_ids: expected a tuple of token ids"),
+        (lambda: RowSpec(logprobs=1), "RowSpec.logprobs: expected a bool"),
+        (lambda: RowSpec(min_new=-1), "RowSpec.min_new: expected an integer >= 0"),
         (lambda: Segment(0, 16, DraftShape(1), True, 1), "Segment.rows: expected an integer >= 1"),
         (lambda: Segment(1, 16, 3, True, 1), "Segment.draft: expected a DraftShape"),
         (lambda: StepPlan(1, prefill=(PrefillChunk(0, 0), PrefillChunk(0, 8))), "StepPlan.prefill: expected each row"),
