@@ -22,8 +22,8 @@ from typing import Any
 # The serving programs' XLA:CPU options. Without them each fused computation is a kernel of its own (the MLIR fusion
 # emitters), compiled and linked as its own object, and the rest is split over up to 32 objects for parallel codegen
 # (2 cores here). With them the fusions go into one LLVM module linked as one object. Measured on the bundled pair
-# (benchmarks/serve_maps.py): the maps of the segment programs fall by 46%, their compile time by ~20%, and their run
-# time is unchanged within the machine's noise.
+# (`python benchmarks/serve_maps.py`, benchmarks/results/serve_maps.md): a segment program's maps fall by 38-53%, its
+# first call (compile) takes 0.96-1.20x as long and its run 0.96-1.04x.
 # Newer XLA:CPU drops options (jax 0.12 has no xla_cpu_use_fusion_emitters: its fusion emitters are the only ones), so
 # a server uses those its jaxlib knows (`cpu_compiler_options`).
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
