@@ -75,6 +75,12 @@ class Clients:
         return [r.tokens for r in self.requests]
 
 
+def load_text(before, after) -> str:
+    """The load averages (1, 5, 15 min) before and after a run, as a report states them."""
+    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    return f"load average (1, 5, 15 min) {fmt(before)} before, {fmt(after)} after"
+
+
 def lockstep(clients: dict[str, Clients], order: np.random.Generator) -> None:
     """Step every engine with work left once, in a shuffled order, until all are done, with Python's garbage
     collector paused (timeit's default: a collection is not the engines' time)."""

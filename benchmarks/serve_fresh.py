@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from serve_adaptive import scrambled  # this directory (run as a script)
-from serve_engine import Clients, lockstep
+from serve_engine import Clients, load_text, lockstep
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 16
@@ -80,9 +80,7 @@ def main() -> None:
         "# A fresh server's first requests: auto vs a fixed chain and plain decoding",
         "",
         f"Written by `{record['command']}` ({REQUESTS} requests per case and concurrency, each engine new). CPU only, "
-        f"the project's shared {record['cpus']}-core machine: load average (1, 5, 15 min) "
-        f"{', '.join(f'{x:.1f}' for x in load_before)} before, "
-        f"{', '.join(f'{x:.1f}' for x in record['load_average_after'])} after.",
+        f"the project's shared {record['cpus']}-core machine: {load_text(load_before, record['load_average_after'])}.",
         "",
         "| case | k=4 tok/s | plain tok/s | auto tok/s | auto / the better |",
         "|---|---|---|---|---|",

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from serve_engine import Clients, lockstep  # this directory (run as a script)
+from serve_engine import Clients, load_text, lockstep  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,8 +98,7 @@ def main() -> None:
     lines = [
         "# The K=0 tax: `--num-steps auto` pinned to plain decoding vs a plain-only engine",
         "",
-        f"Written by `{record['command']}`; load average {', '.join(f'{x:.1f}' for x in load_before)} before, "
-        f"{', '.join(f'{x:.1f}' for x in record['load_average_after'])} after.",
+        f"Written by `{record['command']}`; {load_text(load_before, record['load_average_after'])}.",
         "",
         "| concurrency | plain tok/s | auto, plain only tok/s | auto / plain |",
         "|---|---|---|---|",

@@ -76,13 +76,10 @@ class DraftPolicy:
     def prior(self, acceptance) -> None:
         """The drafter's recorded conditional acceptance a_j per draft position (e.g. tune.json's), as counters
         worth PRIOR_ROW_CYCLES row-cycles: the first segments predict from it, and online counters outweigh it."""
-        a = np.clip(np.nan_to_num(np.asarray(acceptance, np.float64)[: self.depth]), 0.0, 1.0)
-        reached = np.zeros(self.depth)
-        reached[: len(a)] = PRIOR_ROW_CYCLES
-        self.reached, self.accepted = (
-            self.reached + reached,
-            self.accepted + np.pad(a, (0, self.depth - len(a))) * reached,
-        )
+        given = np.clip(np.nan_to_num(np.asarray(acceptance, np.float64)[: self.depth]), 0.0, 1.0)
+        reached = np.where(np.arange(self.depth) < len(given), PRIOR_ROW_CYCLES, 0.0)
+        self.reached = self.reached + reached
+        self.accepted = self.accepted + np.pad(given, (0, self.depth - len(given))) * reached
         self._expected.clear()
 
     def since(self, counters: Counters) -> None:
