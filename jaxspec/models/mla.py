@@ -8,10 +8,17 @@ rotated RoPE key shared by all heads. Two mathematically equal ways to attend ov
 Runs per device inside shard_map: N below is the local head count and the output is a partial sum over the local
 heads; the caller reduces it.
 
-Attention over the live prefix: with a cache, both forms read only the positions up to the longest live sequence in
-the (local) batch, in fixed blocks of `kv_block` positions under a `fori_loop` whose trip count is data-dependent
-(ceil(live / kv_block)), with an online (flash-style) softmax. One compiled program serves every length; each block
-is sliced out of the stacked cache and cast on its own, so a step reads O(live) cache bytes, never O(buffer).
+Attention over each row's own live prefix (ragged): with a cache, both forms read, row by row, only the positions up
+to that row's own last query position, in fixed blocks of `kv_block` positions under `fori_loop`s whose trip counts
+are data-dependent (per row: ceil(live / kv_block)), with an online (flash-style) softmax. One compiled program
+serves every length; each block is sliced out of the stacked cache and cast on its own, so a step reads the sum of
+its rows' live cache bytes: one long row beside short ones does not make them read its length.
+
+Two cache layouts, one attention (`write_cache`, `attend_live_prefix`): a dense cache [L, B, S, Y] (row b's
+positions in order: what `generate` keeps), or `Paged`: a pool of blocks [L, N, block, Y] read and written in place
+through each row's block table (what the serving executor keeps: rows share the pool, and a row's cache is never
+copied out of it and back). A dense cache is a paged one whose tables are contiguous; both read the same blocks of
+`kv_block` positions, so they compute the same values.
 
 FP8 cache (`kv_cache_dtype="fp8"`): each token's cache entry (latent and RoPE key together) is stored as
 float8_e4m3fn values with one float32 scale per token and layer, packed into a uint8 cache
@@ -29,7 +36,7 @@ is that layout's idea at the least cost; e4m3 is floating point, so values far b
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +62,56 @@ PACKED = jnp.uint8  # the cache dtype of the fp8 format
 # Online-softmax state (fp32): running max [B,N,T], running denominator [B,N,T], unnormalised output [B,T,N,C]
 # (absorbed: over the latent) or [B,T,N,A] (expanded: over per-head values).
 Softmax = tuple[jax.Array, jax.Array, jax.Array]
-# Per KV block [B,S,Y] (compute dtype): its scores [B,N,T,S], and a function mixing probabilities into that output.
-BlockFn = Callable[[jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
+
+
+class Block(NamedTuple):
+    """Scores and mixing of queries over one block of cache entries. `fn(queries, kv_BSY)` takes the queries (arrays
+    with the row axis first) and a block [B,S,Y] (compute dtype) and returns its scores [B,N,T,S] and a function
+    mixing probabilities into the softmax output. Called with a block alone it uses every row's queries; `row(b)` is
+    the same block function for row b's queries only (the ragged loop's)."""
+
+    queries: Any
+    fn: Callable[[Any, jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
+
+    def __call__(self, kv_BSY: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+        return self.fn(self.queries, kv_BSY)
+
+    def row(self, b: jax.Array) -> Block:
+        return Block(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, b, 1), self.queries), self.fn)
+
+
+BlockFn = Block  # the name the callers knew
+
+
+class Paged(NamedTuple):
+    """A cache kept as a pool of blocks and read and written in place: `pool` [L, N, block, Y] (N blocks of `block`
+    positions, either cache format) and `tables` int32 [B, K]: row b's positions [k * block, (k + 1) * block) are
+    in pool block `tables[b, k]` (block 0, the null block, where a row owns none: what is written there is never
+    read as a live position of any row)."""
+
+    pool: jax.Array
+    tables: jax.Array
+
+    @property
+    def block(self) -> int:
+        return self.pool.shape[2]
+
+    @property
+    def positions(self) -> int:
+        """Positions a row can address (its table's blocks)."""
+        return self.tables.shape[1] * self.block
+
+    def slots(self, pos_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(pool block [B, T], offset in it [B, T]) of each row's positions; a position outside [0, positions) gets
+        block N (past the pool: a write there is dropped)."""
+        K, blk = self.tables.shape[1], self.block
+        k_BT = pos_BT // blk
+        inside_BT = (pos_BT >= 0) & (k_BT < K)
+        blocks_BT = jnp.take_along_axis(self.tables, jnp.clip(k_BT, 0, K - 1), axis=1)
+        return jnp.where(inside_BT, blocks_BT, self.pool.shape[1]), pos_BT % blk
+
+
+Cache = jax.Array | Paged  # a dense [L, B, S, Y] cache or a paged one
 
 
 def fp8_blocks(cfg: KimiConfig) -> dict[str, tuple[int, ...]] | None:
@@ -105,16 +160,17 @@ class MLA(nnx.Module):
         x_BTD: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
         q_pos_BT: jax.Array,
-        cache_LBSY: jax.Array | None,
+        cache_LBSY: Cache | None,
         layer: jax.Array | int,
         impl: AttnImpl,
         *,
         kv_block: int = KV_BLOCK,
-    ) -> tuple[jax.Array, jax.Array | None]:
+    ) -> tuple[jax.Array, Cache | None]:
         """Returns (partial attention output [B,T,D] in fp32, updated cache or None).
 
-        `cache_LBSY` is the whole stacked cache (all layers) and `layer` the index of this layer in it: the step
-        writes its T entries there and reads back only live blocks, so no per-layer copy of the buffer is made.
+        `cache_LBSY` is the whole stacked cache (all layers; dense or `Paged`) and `layer` the index of this layer in
+        it: the step writes its T entries there and reads back only each row's live blocks, so no per-layer copy of
+        the buffer is made.
         """
         C = self.kv_a_norm.shape[0]
         q_nope_BTNH, q_rope_BTNR, new_BTY = self.project(x_BTD, cos_sin)
@@ -145,18 +201,20 @@ class MLA(nnx.Module):
     def absorbed_block(self, q_abs_BTNC: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
         """Scores and mixing over the 576-wide latent directly (W_uk folded into the query, W_uv applied after)."""
 
-        def block(kv_BSY):
+        def block(queries, kv_BSY):
+            q_abs_BTNC, q_rope_BTNR = queries
             latent_BSC, k_rope_BSR = kv_BSY[..., :C], kv_BSY[..., C:]
             scores_BNTS = ein("BTNC,BSC->BNTS", q_abs_BTNC, latent_BSC) + ein("BTNR,BSR->BNTS", q_rope_BTNR, k_rope_BSR)
             return scores_BNTS, lambda p_BNTS: ein("BNTS,BSC->BTNC", p_BNTS, latent_BSC)
 
-        return block
+        return Block((q_abs_BTNC, q_rope_BTNR), block)
 
     def expanded_block(self, q_nope_BTNH: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
         """Per-head keys/values expanded from this block's latent only."""
         kv_b_k, kv_b_v = self.kv_b_k[...], self.kv_b_v[...]
 
-        def block(kv_BSY):
+        def block(queries, kv_BSY):
+            q_nope_BTNH, q_rope_BTNR = queries
             latent_BSC, k_rope_BSR = kv_BSY[..., :C], kv_BSY[..., C:]
             k_nope_BSNH = ein("BSC,CNH->BSNH", latent_BSC, kv_b_k)
             v_BSNA = ein("BSC,CNA->BSNA", latent_BSC, kv_b_v)
@@ -165,7 +223,7 @@ class MLA(nnx.Module):
             )
             return scores_BNTS, lambda p_BNTS: ein("BNTS,BSNA->BTNA", p_BNTS, v_BSNA)
 
-        return block
+        return Block((q_nope_BTNH, q_rope_BTNR), block)
 
     def project(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q_nope [B,T,N,H], rotated q_rope [B,T,N,R], the tokens' cache entries [B,T,Y]: normalised KV latent and
@@ -216,55 +274,95 @@ def read_entries(cache_entries: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return dequantize_entries(cache_entries, dtype) if is_fp8(cache_entries) else cache_entries.astype(dtype)
 
 
-def through_cache(new_BTY: jax.Array, cache: jax.Array) -> jax.Array:
+def through_cache(new_BTY: jax.Array, cache: Cache) -> jax.Array:
     """New entries as attention will read them back from `cache` (rounded through its format), in their dtype."""
-    if is_fp8(cache):
+    if is_fp8(_array(cache)):
         return dequantize_entries(quantize_entries(new_BTY), new_BTY.dtype)
-    return new_BTY.astype(cache.dtype)
+    return new_BTY.astype(_array(cache).dtype)
 
 
-def write_cache(cache_LBSY: jax.Array, layer: jax.Array | int, new_BTY: jax.Array, pos_BT: jax.Array) -> jax.Array:
+def write_cache(cache_LBSY: Cache, layer: jax.Array | int, new_BTY: jax.Array, pos_BT: jax.Array) -> Cache:
     """Store each row's T new entries at their positions in `layer` (an in-place scatter; out-of-range dropped),
-    quantised when the cache is fp8."""
+    quantised when the cache is fp8; a `Paged` cache's through its rows' block tables."""
+    stored = quantize_entries(new_BTY) if is_fp8(_array(cache_LBSY)) else new_BTY.astype(_array(cache_LBSY).dtype)
+    if isinstance(cache_LBSY, Paged):
+        blocks_BT, offsets_BT = cache_LBSY.slots(pos_BT)
+        pool = cache_LBSY.pool.at[layer, blocks_BT, offsets_BT].set(stored, mode="drop")
+        return cache_LBSY._replace(pool=pool)
     rows_BT = jnp.broadcast_to(jnp.arange(pos_BT.shape[0], dtype=pos_BT.dtype)[:, None], pos_BT.shape)
-    stored = quantize_entries(new_BTY) if is_fp8(cache_LBSY) else new_BTY.astype(cache_LBSY.dtype)
     return cache_LBSY.at[layer, rows_BT, pos_BT].set(stored, mode="drop")
 
 
+def _array(cache: Cache) -> jax.Array:
+    return cache.pool if isinstance(cache, Paged) else cache
+
+
+def cache_positions(cache: Cache) -> int:
+    """Positions each row of a cache can hold."""
+    return cache.positions if isinstance(cache, Paged) else cache.shape[2]
+
+
+def read_block(cache: Cache, layer: jax.Array | int, row: jax.Array, start: jax.Array, size: int) -> jax.Array:
+    """Row `row`'s raw entries at positions [start, start + size) of `layer`, [1, size, Y] (start a multiple of a
+    paged cache's block, size too; the caller keeps the range inside the row's positions)."""
+    if not isinstance(cache, Paged):
+        return jax.lax.dynamic_slice(cache, (layer, row, start, 0), (1, 1, size, cache.shape[-1]))[0]
+    blk = cache.block
+    ids = jax.lax.dynamic_slice(cache.tables, (row, start // blk), (1, size // blk))[0]
+    return cache.pool[layer, ids].reshape(1, size, cache.pool.shape[-1])
+
+
+def read_size(cache: Cache, kv_block: int) -> int:
+    """Positions per block of the live-prefix loop: `kv_block` (at least one of a paged cache's blocks, and a whole
+    number of them), capped at the row's positions."""
+    if kv_block < 1:
+        raise ValueError(f"kv_block: cache positions per attention block must be >= 1, got {kv_block}")
+    if isinstance(cache, Paged):
+        return cache.block * max(1, min(kv_block // cache.block, cache.tables.shape[1]))
+    return min(kv_block, cache.shape[2])
+
+
 def live_blocks(q_pos_BT: jax.Array, cache_len: int, kv_block: int) -> tuple[jax.Array, int]:
-    """(number of blocks to read, block size): blocks of min(kv_block, cache_len) positions covering every position
-    up to the longest live row (max query position + 1), capped at the buffer."""
+    """(blocks to read per row [B], block size): blocks of min(kv_block, cache_len) positions covering each row's
+    positions up to its last query position, capped at the buffer."""
     if kv_block < 1:
         raise ValueError(f"kv_block: cache positions per attention block must be >= 1, got {kv_block}")
     blk = min(kv_block, cache_len)
-    live = jnp.max(q_pos_BT) + 1
-    return jnp.minimum((live + blk - 1) // blk, -(-cache_len // blk)), blk
+    live_B = jnp.max(q_pos_BT, axis=1) + 1
+    return jnp.clip((live_B + blk - 1) // blk, 0, -(-cache_len // blk)), blk
 
 
 def attend_live_prefix(
-    cache_LBSY: jax.Array,
+    cache_LBSY: Cache,
     layer: jax.Array | int,
     q_pos_BT: jax.Array,
-    block_fn: BlockFn,
+    block_fn: Block,
     init: Softmax,
     scale: float,
     kv_block: int,
     dtype: jnp.dtype,
 ) -> Softmax:
-    """Online softmax over the cache's live blocks of `layer`; exact per-row causality by position."""
-    _, B, S, Y = cache_LBSY.shape
-    n_blocks, blk = live_blocks(q_pos_BT, S, kv_block)
+    """Online softmax over each row's own live blocks of `layer` (ragged: row by row, each as far as its own last
+    query position); exact per-row causality by position."""
+    S, blk = cache_positions(cache_LBSY), read_size(cache_LBSY, kv_block)
+    n_blocks_B, _ = live_blocks(q_pos_BT, S, blk)
 
-    def body(j, state):
-        # When S is not a multiple of blk the last block is shifted back to end at S; its positions before j * blk
-        # were seen by the previous block and are masked here.
-        start = jnp.minimum(j * blk, S - blk)
-        kv_BSY = read_entries(jax.lax.dynamic_slice(cache_LBSY, (layer, 0, start, 0), (1, B, blk, Y))[0], dtype)
-        kv_pos_S = start + jnp.arange(blk, dtype=q_pos_BT.dtype)
-        mask_BTS = (kv_pos_S >= j * blk) & (kv_pos_S <= q_pos_BT[:, :, None])
-        return online_softmax(state, *block_fn(kv_BSY), mask_BTS, scale)
+    def row(b, state):
+        q_pos_1T, block = jax.lax.dynamic_slice_in_dim(q_pos_BT, b, 1), block_fn.row(b)
 
-    return jax.lax.fori_loop(0, n_blocks, body, init)
+        def body(j, state):
+            # When S is not a multiple of blk the last block is shifted back to end at S; its positions before
+            # j * blk were seen by the previous block and are masked here.
+            start = jnp.minimum(j * blk, S - blk)
+            kv_1SY = read_entries(read_block(cache_LBSY, layer, b, start, blk), dtype)
+            kv_pos_S = start + jnp.arange(blk, dtype=q_pos_BT.dtype)
+            mask_1TS = (kv_pos_S >= j * blk) & (kv_pos_S <= q_pos_1T[:, :, None])
+            return online_softmax(state, *block(kv_1SY), mask_1TS, scale)
+
+        mine = jax.lax.fori_loop(0, n_blocks_B[b], body, jax.tree.map(lambda x: x[b][None], state))
+        return jax.tree.map(lambda x, m: jax.lax.dynamic_update_slice_in_dim(x, m, b, 0), state, mine)
+
+    return jax.lax.fori_loop(0, q_pos_BT.shape[0], row, init)
 
 
 def softmax_init(q_BTNH: jax.Array, width: int) -> Softmax:

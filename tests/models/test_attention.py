@@ -70,14 +70,14 @@ def test_blocked_cache_attention_equals_full_attention(layer, S, blk, starts, T)
     np.testing.assert_allclose(out, ref_BSD, atol=1e-5 * ref_BSD.std())
 
     # Row b restarts at starts[b]: its entries from there on are stale (huge garbage, and the other layer too);
-    # nothing past the last live block may be read at all (NaN).
-    live = max(starts) + T
+    # nothing past the row's OWN last live block may be read at all (NaN): a short row beside a long one reads
+    # only its own blocks (ragged).
     n_blocks, _ = live_blocks(jnp.asarray(starts)[:, None] + T - 1, S, blk)
-    assert int(n_blocks) == -(-live // min(blk, S))
+    assert list(np.asarray(n_blocks)) == [min(-(-(s + T) // min(blk, S)), -(-S // min(blk, S))) for s in starts]
     poisoned = cache.copy()
     for b, s in enumerate(starts):
         poisoned[:, b, s:] = 1e4 * rng.standard_normal(poisoned[:, b, s:].shape)
-    poisoned[:, :, int(n_blocks) * min(blk, S) :] = np.nan
+        poisoned[:, b, int(n_blocks[b]) * min(blk, S) :] = np.nan
 
     pos = np.asarray(starts)[:, None] + np.arange(T)
     x_BTD = np.stack([x_BSD[b, s : s + T] for b, s in enumerate(starts)])

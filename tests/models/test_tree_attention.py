@@ -60,12 +60,12 @@ def tree_arrays(parents_BT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def poisoned_cache(rng, prefix_B, S, extra_live=0):
     """Latent cache [L,B,S,K]: random below each row's prefix, garbage from there, NaN past the blocks the prefix
-    pass may read (the longest prefix + `extra_live`, rounded up to a block)."""
+    pass may read of that row (its own prefix + `extra_live`, rounded up to a block: the read is ragged)."""
     cache = rng.standard_normal((L, len(prefix_B), S, CFG.latent_dim)).astype(np.float32)
+    n_blocks_B, blk = live_blocks(jnp.asarray(prefix_B)[:, None] + extra_live - 1, S, BLK)
     for b, n in enumerate(prefix_B):
         cache[:, b, n:] = 1e4 * rng.standard_normal(cache[:, b, n:].shape)
-    n_blocks, blk = live_blocks(jnp.asarray([[max(prefix_B) + extra_live - 1]]), S, BLK)
-    cache[:, :, int(n_blocks) * blk :] = np.nan
+        cache[:, b, int(n_blocks_B[b]) * blk :] = np.nan
     return cache
 
 
