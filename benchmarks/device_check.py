@@ -78,7 +78,7 @@ DEVICE = Sizes(
     verify_tokens=(1, 2, 4, 8, 16),
     serve_concurrency=(1, 8),
     serve_max_tokens=64,
-    serve_args=("--max-batch", "8", "--max-context", "512", "--batch-buckets", "1,8", "--context-buckets", "512"),
+    serve_args=("--max-batch", "8", "--max-context", "512", "--batch-buckets", "1,8"),
     servers=(("speculative", 3), ("plain", 0)),
 )
 DRY = Sizes(
@@ -93,7 +93,7 @@ DRY = Sizes(
     verify_tokens=(2,),
     serve_concurrency=(1, 2),
     serve_max_tokens=8,
-    serve_args=("--max-batch", "2", "--max-context", "256", "--batch-buckets", "2", "--context-buckets", "256"),
+    serve_args=("--max-batch", "2", "--max-context", "256", "--batch-buckets", "2"),
     servers=(("speculative", 3),),  # the plain server is the same code with --num-steps 0; 2 cores compile one
 )
 
@@ -281,7 +281,7 @@ def paged_inputs(seed: int, B: int, T: int, heads: int, C: int, R: int, block: i
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxspec.models import mla
+    from jaxspec.models import cache
 
     rng = np.random.default_rng(seed)
     per_row = max(-(-n // block) for n in lengths) + 1
@@ -291,7 +291,7 @@ def paged_inputs(seed: int, B: int, T: int, heads: int, C: int, R: int, block: i
     for b, k in enumerate(need):
         tables[b, :k] = [next(ids) for _ in range(k)]
     pool = jnp.asarray(rng.standard_normal((2, 1 + sum(need), block, C + R)), dtype)
-    pool = mla.quantize_entries(pool) if fp8 else pool
+    pool = cache.quantize_entries(pool) if fp8 else pool
     poisoned = pool.at[:, 0].set(255 if fp8 else jnp.nan)
     q_pos = np.asarray(lengths)[:, None] - T + np.arange(T)
     q_abs = jnp.asarray(rng.standard_normal((B, T, heads, C)), dtype)

@@ -1,13 +1,15 @@
-"""What each compiled segment bucket buys: a segment's time in the bucket the scheduler picks against larger ones.
+"""What each compiled segment bucket buys: a segment's time in the batch bucket the scheduler picks against larger
+ones.
 
-`jaxspec serve` compiles one segment program per batch bucket x context bucket x draft shape x (greedy, per-row)
-program, and every program costs start-up time and, on XLA:CPU, about 1,500 of the process's memory maps
-(docs/serving.md#start-up). This measures what a bucket saves at run time, so the defaults keep only the buckets
-that pay: with n live rows (bundled prompts, ~100 positions each, greedy), the device time of one segment
-(--cycles cycles) over rows [0, b) and positions [0, s), for b in the batch buckets that hold n rows and s in
-{256, --max-context}, for plain decoding (k = 0) and the k = 4 chain; and for one row the static-greedy program
-against the per-row one. Every variant starts from the same saved state; variants are interleaved, --repeats times,
-and the median is reported with its ratio to the smallest bucket's (ratios in one run: the machine is shared).
+`jaxspec serve` compiles one segment program per batch bucket x draft shape x (greedy, per-row) program, and every
+program costs start-up time and, on XLA:CPU, about 1,500 of the process's memory maps (docs/serving.md#start-up).
+This measures what a bucket saves at run time, so the defaults keep only the buckets that pay: with n live rows
+(bundled prompts, ~100 positions each, greedy), the device time of one segment (--cycles cycles) over rows [0, b),
+for b in the batch buckets that hold n rows, for plain decoding (k = 0) and the k = 4 chain; and for one row the
+static-greedy program against the per-row one. (Segments had context buckets too before attention read each row's
+blocks in place: benchmarks/results/serve_buckets.md from then measured them.) Every variant starts from the same
+saved state; variants are interleaved, --repeats times, and the median is reported with its ratio to the smallest
+bucket's (ratios in one run: the machine is shared).
 
     python benchmarks/serve_buckets.py      # writes benchmarks/results/serve_buckets.{json,md}
 """
@@ -46,7 +48,6 @@ def main() -> None:
     chain, plain = DraftShape(4), DraftShape(0)
     cfg = EngineConfig(max_batch=args.max_batch, max_context=args.max_context, draft=chain, adaptive=True)
     rows_buckets = [b for b in (1, 2, 4, 8, 16) if b <= args.max_batch]
-    contexts = sorted({256, args.max_context})
     results = []
     for n in (int(x) for x in args.live.split(",")):
         engine = Engine(target, drafter, cfg, stop_ids=tokenizer.stop_ids)
@@ -55,30 +56,29 @@ def main() -> None:
         prefill(engine)
         ex = engine.executor
         saved = jax.tree.map(jnp.copy, (ex.state, ex.pool))
-        variants = [(b, s, shape, True) for b in rows_buckets if b >= n for s in contexts for shape in (plain, chain)]
+        variants = [(b, shape, True) for b in rows_buckets if b >= n for shape in (plain, chain)]
         if n == 1:
-            variants += [(1, 256, shape, False) for shape in (plain, chain)]
+            variants += [(1, shape, False) for shape in (plain, chain)]
         times = {v: [] for v in variants}
         for repeat in range(args.repeats + 1):  # the first round compiles
             for v in variants:
-                b, s, shape, greedy = v
+                b, shape, greedy = v
                 ex.state, ex.pool = jax.tree.map(jnp.copy, saved)
                 ex._q_stale = False
                 jax.block_until_ready((ex.state, ex.pool))
                 start = time.perf_counter()
-                ex.segment(Segment(b, s, shape, greedy, args.cycles))
+                ex.segment(Segment(b, shape, greedy, args.cycles))
                 jax.block_until_ready(ex.state)
                 if repeat:
                     times[v].append(time.perf_counter() - start)
             print(f"live {n}: round {repeat} done", flush=True)
-        for (b, s, shape, greedy), ts in times.items():
-            base = times[(min(x for x in rows_buckets if x >= n), 256, shape, True)]
+        for (b, shape, greedy), ts in times.items():
+            base = times[(min(x for x in rows_buckets if x >= n), shape, True)]
             median = statistics.median(ts)
             results.append(
                 dict(
                     live=n,
                     rows=b,
-                    positions=s,
                     draft=shape.label,
                     greedy=greedy,
                     median_ms=1e3 * median,
@@ -91,14 +91,13 @@ def main() -> None:
     meta = dict(vars(args) | {"output": str(args.output.relative_to(ROOT))}, jax=jax.__version__)
     args.output.write_text(json.dumps(dict(config=meta, results=results), indent=1) + "\n")
     lines = [
-        "| live rows | segment rows | positions | draft | program | median ms | / smallest bucket |",
-        "|---|---|---|---|---|---|---|",
+        "| live rows | segment rows | draft | program | median ms | / smallest bucket |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         program = "greedy" if r["greedy"] else "per-row"
         lines.append(
-            f"| {r['live']} | {r['rows']} | {r['positions']} | {r['draft']} | {program} | {r['median_ms']:.1f} | "
-            f"{r['ratio']:.2f} |"
+            f"| {r['live']} | {r['rows']} | {r['draft']} | {program} | {r['median_ms']:.1f} | {r['ratio']:.2f} |"
         )
     args.output.with_suffix(".md").write_text(
         "# serve_buckets\n\n`python benchmarks/serve_buckets.py`\n\n" + "\n".join(lines) + "\n"

@@ -61,7 +61,7 @@ def main() -> None:
     rows = []
     for shape in cfg.shapes:
         for greedy in (True, False):
-            segment = Segment(1, 256, shape, greedy, cfg.segment_cycles)
+            segment = Segment(1, shape, greedy, cfg.segment_cycles)
             row = {"draft": shape.label, "program": "greedy" if greedy else "per-row"}
             for name, program in variants.items():
                 jax.clear_caches()

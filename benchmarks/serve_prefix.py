@@ -54,7 +54,7 @@ def prefix_ttft(pair, text: list[int], rounds: int) -> dict:
     from jaxspec.serving.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = pair
-    config = EngineConfig(max_batch=1, max_context=2048, batch_buckets=(1,), context_buckets=(2048,))
+    config = EngineConfig(max_batch=1, max_context=2048, batch_buckets=(1,))
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
     engine.warmup(lambda _: None)
     prefix = (text * 4)[:1200]
@@ -86,13 +86,9 @@ def at_once(pair, text: list[int]) -> dict:
     target, drafter, tokenizer = pair
     prompts = [(text * 2)[i * 29 : i * 29 + 100 + 7 * (i % 4)] for i in range(16)]
     shapes = {
-        "slots 4 x 1024": EngineConfig(max_batch=4, max_context=1024, batch_buckets=(4,), context_buckets=(512,)),
-        "pool 4096, 16 slots": EngineConfig(
-            max_batch=16, max_context=1024, batch_buckets=(16,), context_buckets=(512,), kv_cache_tokens=4096
-        ),
-        "pool 1024, 8 slots": EngineConfig(
-            max_batch=8, max_context=1024, batch_buckets=(8,), context_buckets=(512,), kv_cache_tokens=1024
-        ),
+        "slots 4 x 1024": EngineConfig(max_batch=4, max_context=1024, batch_buckets=(4,)),
+        "pool 4096, 16 slots": EngineConfig(max_batch=16, max_context=1024, batch_buckets=(16,), kv_cache_tokens=4096),
+        "pool 1024, 8 slots": EngineConfig(max_batch=8, max_context=1024, batch_buckets=(8,), kv_cache_tokens=1024),
     }
     out, reference, engines = {}, None, {}
     for name, config in shapes.items():
@@ -131,7 +127,7 @@ def block_sizes(pair, text: list[int], sizes: list[int], rounds: int) -> dict:
     target, drafter, tokenizer = pair
     engines = {}
     for b in sizes:
-        config = EngineConfig(max_batch=8, max_context=512, batch_buckets=(8,), context_buckets=(512,), block_size=b)
+        config = EngineConfig(max_batch=8, max_context=512, batch_buckets=(8,), block_size=b)
         engines[b] = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
         engines[b].warmup(lambda _: None)
     prefix, rates, outputs = (text * 2)[:256], {b: [] for b in sizes}, None

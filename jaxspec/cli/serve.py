@@ -27,9 +27,9 @@ log = logging.getLogger("jaxspec.serving")
 HELP = "OpenAI-compatible HTTP server: continuous batching with speculative decoding"
 DESCRIPTION = (
     "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Before /health answers, the "
-    "engine compiles every program it will run (admit, a prefill chunk, and one segment per batch bucket x context "
-    "bucket x greedy/per-row program) and logs each part's time; fewer --batch-buckets and --context-buckets and a "
-    "smaller --max-context start faster (measured start-up: docs/serving.md)."
+    "engine compiles every program it will run (admit, a prefill chunk, and one segment per batch bucket x draft "
+    "shape x greedy/per-row program) and logs each part's time; fewer --batch-buckets start faster (measured "
+    "start-up: docs/serving.md)."
 )
 
 

@@ -92,7 +92,7 @@ class DraftShape:
 
     def reach(self, tokens: int, budget: int, cycles: int | None = None) -> int:
         """Positions [0, reach) a row drafting this shape can touch: the one rule for what a row needs (serving's
-        admission, block growth and context bucket, the HTTP layer's default budget, `generate`'s buffer and its
+        admission and block growth, the HTTP layer's default budget, `generate`'s buffer and its
         context check). `tokens`: the row's prompt and generated tokens (its pending token included); `budget`: its
         prompt plus its max new tokens; `cycles`: the cycles to come (None: as many as its budget takes). A cycle
         commits at most num_steps + 1 tokens and writes `lookahead` cache slots past its row's length; a row at its

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import RowSampling, Sampling
 from jaxspec.decoding.sampling_params import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSpec
+from jaxspec.models.cache import Paged
 from sharding.multihost import put_global
 
 
@@ -86,8 +87,10 @@ class LoopState:
     end_B: jax.Array = struct.field(**_axes(0))  # int32: exclusive end of the generated tokens (length + 1 running)
     max_new_B: jax.Array = struct.field(**_axes(0))  # int32: generation budget per sequence
     done_B: jax.Array = struct.field(**_axes(0))  # bool: stopped, out of budget, a padding row or a free slot
-    target_cache: jax.Array = struct.field(**_axes(1, 2))  # [L, B, S, Y] target latent KV cache
-    draft_cache: Any = struct.field(**_axes(0, 1))  # drafter cache (arrays [B, S, ...]), or None when J = 0
+    # The target's latent KV cache: dense [L, B, S, Y], or `Paged` (the serving pool, read and written in place)
+    target_cache: Any = struct.field(**_axes(1, 2))
+    # The drafter's cache (arrays [B, S, ...], or `Paged`: the serving pool), or None when J = 0
+    draft_cache: Any = struct.field(**_axes(0, 1))
     draft_B: jax.Array = struct.field(**_axes(0))  # int32 (target ids): the next cycle's first draft token (chains)
     # Chains: float32 [B, V], the draft distribution of draft_B over the target vocabulary ([B, 1] when unused).
     # Trees: float32 [B, U], the drafter's logits at the next root (its children are that cycle's first expansion).
@@ -254,7 +257,11 @@ class LoopState:
 
     def window(self, rows: int, positions: int | None = None, start=0) -> LoopState:
         """The state of rows [start, start + rows) and positions [0, positions) (all, when None); the counters are
-        kept. `rows` and `positions` are static, `start` may be traced."""
+        kept. `rows` and `positions` are static, `start` may be traced. A paged cache keeps its whole pool: the
+        window is of its tables."""
+        paged = {name: c.window(rows, positions, start) for name, c in self._paged().items()}
+        if paged:
+            return self.replace(**dict.fromkeys(paged)).window(rows, positions, start).replace(**paged)
 
         def take(axes, x):
             row, position = axes
@@ -268,7 +275,14 @@ class LoopState:
 
     def put(self, part: LoopState, start=0) -> LoopState:
         """Write `part`, a `window` of this state (rows from `start`, positions from 0), back in; the counters are
-        `part`'s."""
+        `part`'s. A paged cache's pool is `part`'s (written in place), its tables this state's."""
+        paged = {}
+        for name, cache in part._paged().items():
+            mine = getattr(self, name)
+            paged[name] = mine._replace(pool=cache.pool) if isinstance(mine, Paged) else cache
+        if paged:
+            none = dict.fromkeys(paged)
+            return self.replace(**none).put(part.replace(**none), start).replace(**paged)
 
         def write(axes, x, y):
             row, _ = axes
@@ -280,6 +294,10 @@ class LoopState:
             return jax.lax.dynamic_update_slice(x, sharded_like(y, x), tuple(at))
 
         return self._map(write, part)
+
+    def _paged(self) -> dict[str, Paged]:
+        """The caches held as pools (`Paged`), by field name."""
+        return {n: getattr(self, n) for n in ("target_cache", "draft_cache") if isinstance(getattr(self, n), Paged)}
 
     def _map(self, fn, *others: LoopState) -> LoopState:
         """`fn((row_axis, position_axis), leaf, *other_leaves)` over every field's leaves."""

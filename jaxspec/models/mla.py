@@ -14,23 +14,7 @@ are data-dependent (per row: ceil(live / kv_block)), with an online (flash-style
 serves every length; each block is sliced out of the stacked cache and cast on its own, so a step reads the sum of
 its rows' live cache bytes: one long row beside short ones does not make them read its length.
 
-Two cache layouts, one attention (`write_cache`, `attend_live_prefix`): a dense cache [L, B, S, Y] (row b's
-positions in order: what `generate` keeps), or `Paged`: a pool of blocks [L, N, block, Y] read and written in place
-through each row's block table (what the serving executor keeps: rows share the pool, and a row's cache is never
-copied out of it and back). A dense cache is a paged one whose tables are contiguous; both read the same blocks of
-`kv_block` positions, so they compute the same values.
-
-FP8 cache (`kv_cache_dtype="fp8"`): each token's cache entry (latent and RoPE key together) is stored as
-float8_e4m3fn values with one float32 scale per token and layer, packed into a uint8 cache
-[L, B, S, Y + 4]: Y bytes of e4m3 values, then the scale's 4 bytes. The scale is the entry's max |value| / 448
-(e4m3's largest finite value), so no value clips and no calibration is needed; it costs 4 bytes of 580 at full
-size (1.99x the positions of a bf16 cache). A uint8 cache is the fp8 format: `write_cache` quantises into it and
-`read_entries` dequantises each block just before attention, so every path over the cache (chain and tree verify,
-decode, prefill) handles both formats. Why this design: vLLM/SGLang/tpu-inference store MLA caches as float8 with a
-per-tensor scale (1.0 unless calibrated: an outlier token clips); DeepSeek-V3.2's FlashMLA layout packs values and
-float32 scales in one byte buffer per token (656 B: 512 e4m3 + 4 scales + 64 bf16 RoPE values). One scale per token
-is that layout's idea at the least cost; e4m3 is floating point, so values far below the token's max keep their
-3-bit relative precision down to 2^-15 of it.
+Cache layouts and formats (dense or paged; the model dtype or packed fp8): cache.py.
 """
 
 from __future__ import annotations
@@ -44,6 +28,16 @@ from flax import nnx
 
 from jaxspec.config import LATENT_NORM_EPS, KimiConfig
 from jaxspec.models import rope
+from jaxspec.models.cache import (
+    Cache,
+    Paged,
+    cache_positions,
+    read_block,
+    read_entries,
+    read_size,
+    write_cache,
+)
+from jaxspec.models.kernels import paged_mla
 from jaxspec.models.layers import NEG_INF, linear, ones, param, rms_norm
 from jaxspec.models.quant import einsum as ein
 from jaxspec.models.quant import head_block
@@ -53,11 +47,6 @@ AttnImpl = Literal["expanded", "absorbed"]
 # fixed overhead, notably on GPU) but up to kv_block - 1 dead positions read per step; 512 x 576 bf16 values per
 # sequence is 590 KB, one small DMA on an accelerator.
 KV_BLOCK = 512
-
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8).max)  # 448
-SCALE_BYTES = 4  # one float32 scale per cached token and layer
-PACKED = jnp.uint8  # the cache dtype of the fp8 format
 
 # Online-softmax state (fp32): running max [B,N,T], running denominator [B,N,T], unnormalised output [B,T,N,C]
 # (absorbed: over the latent) or [B,T,N,A] (expanded: over per-head values).
@@ -81,37 +70,6 @@ class Block(NamedTuple):
 
 
 BlockFn = Block  # the name the callers knew
-
-
-class Paged(NamedTuple):
-    """A cache kept as a pool of blocks and read and written in place: `pool` [L, N, block, Y] (N blocks of `block`
-    positions, either cache format) and `tables` int32 [B, K]: row b's positions [k * block, (k + 1) * block) are
-    in pool block `tables[b, k]` (block 0, the null block, where a row owns none: what is written there is never
-    read as a live position of any row)."""
-
-    pool: jax.Array
-    tables: jax.Array
-
-    @property
-    def block(self) -> int:
-        return self.pool.shape[2]
-
-    @property
-    def positions(self) -> int:
-        """Positions a row can address (its table's blocks)."""
-        return self.tables.shape[1] * self.block
-
-    def slots(self, pos_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(pool block [B, T], offset in it [B, T]) of each row's positions; a position outside [0, positions) gets
-        block N (past the pool: a write there is dropped)."""
-        K, blk = self.tables.shape[1], self.block
-        k_BT = pos_BT // blk
-        inside_BT = (pos_BT >= 0) & (k_BT < K)
-        blocks_BT = jnp.take_along_axis(self.tables, jnp.clip(k_BT, 0, K - 1), axis=1)
-        return jnp.where(inside_BT, blocks_BT, self.pool.shape[1]), pos_BT % blk
-
-
-Cache = jax.Array | Paged  # a dense [L, B, S, Y] cache or a paged one
 
 
 def fp8_blocks(cfg: KimiConfig) -> dict[str, tuple[int, ...]] | None:
@@ -172,7 +130,7 @@ class MLA(nnx.Module):
         it: the step writes its T entries there and reads back only each row's live blocks, so no per-layer copy of
         the buffer is made.
         """
-        C = self.kv_a_norm.shape[0]
+        C, dt = self.kv_a_norm.shape[0], x_BTD.dtype
         q_nope_BTNH, q_rope_BTNR, new_BTY = self.project(x_BTD, cos_sin)
 
         with jax.named_scope(f"attend_{impl}"):
@@ -186,17 +144,31 @@ class MLA(nnx.Module):
             init = softmax_init(q_nope_BTNH, width)
             if cache_LBSY is None:  # full forward: the new tokens are the keys, one block
                 mask_BTS = q_pos_BT[:, None, :] <= q_pos_BT[:, :, None]
-                state = online_softmax(init, *block_fn(new_BTY), mask_BTS, self.softmax_scale)
+                out_BTNA = softmax_finish(online_softmax(init, *block_fn(new_BTY), mask_BTS, self.softmax_scale), dt)
             else:
                 cache_LBSY = write_cache(cache_LBSY, layer, new_BTY, q_pos_BT)
-                state = attend_live_prefix(
-                    cache_LBSY, layer, q_pos_BT, block_fn, init, self.softmax_scale, kv_block, x_BTD.dtype
-                )
-            out_BTNA = softmax_finish(state, x_BTD.dtype)  # [B,T,N,C] when absorbed
+                out_BTNA = self._attend_cache(impl, block_fn, init, cache_LBSY, layer, q_pos_BT, kv_block, dt)
             if impl == "absorbed":
                 out_BTNA = ein("BTNC,CNA->BTNA", out_BTNA, self.kv_b_v[...])
         out_BTD = ein("BTNA,NAD->BTD", out_BTNA, self.o[...], dtype=jnp.float32)
         return out_BTD, cache_LBSY
+
+    def _attend_cache(
+        self, impl: AttnImpl, block_fn: Block, init: Softmax, cache: Cache, layer, q_pos_BT, kv_block, dt
+    ):
+        """The normalised attention output ([B,T,N,C] absorbed, [B,T,N,A] expanded) over each row's live cache: the
+        XLA loop over each row's own blocks, or on a paged cache in the absorbed form the Pallas kernel where the
+        program is lowered for a TPU or a GPU that takes its shapes (models/kernels/paged_mla.py)."""
+        scale = self.softmax_scale
+
+        def xla(q_abs, q_rope, pool, tables, q_pos):  # the paged absorbed form, as the kernel's fallback
+            block = self.absorbed_block(q_abs, q_rope, q_abs.shape[-1])
+            state = attend_live_prefix(Paged(pool, tables), layer, q_pos, block, init, scale, kv_block, dt)
+            return softmax_finish(state, dt)
+
+        if impl == "absorbed" and isinstance(cache, Paged):
+            return paged_mla.attend_in_place(*block_fn.queries, cache, layer, q_pos_BT, scale=scale, xla=xla)
+        return softmax_finish(attend_live_prefix(cache, layer, q_pos_BT, block_fn, init, scale, kv_block, dt), dt)
 
     def absorbed_block(self, q_abs_BTNC: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
         """Scores and mixing over the 576-wide latent directly (W_uk folded into the query, W_uv applied after)."""
@@ -245,81 +217,6 @@ class MLA(nnx.Module):
             return ein("BTD,DNH->BTNH", x_BTD, self.q_nope[...]), ein("BTD,DNR->BTNR", x_BTD, self.q_rope[...])
         q_lat_BTQ = rms_norm(ein("BTD,DQ->BTQ", x_BTD, self.q_a[...]), self.q_a_norm[...], LATENT_NORM_EPS)
         return ein("BTQ,QNH->BTNH", q_lat_BTQ, self.q_b_nope[...]), ein("BTQ,QNR->BTNR", q_lat_BTQ, self.q_b_rope[...])
-
-
-def is_fp8(cache: jax.Array) -> bool:
-    """Whether a cache is in the packed fp8 format (module docstring)."""
-    return cache.dtype == PACKED
-
-
-def quantize_entries(new_BTY: jax.Array) -> jax.Array:
-    """Cache entries [..., Y] -> packed fp8 [..., Y + 4] uint8: e4m3 values, then the float32 scale's bytes."""
-    x = new_BTY.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    values = jax.lax.bitcast_convert_type(jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8), PACKED)
-    return jnp.concatenate([values, jax.lax.bitcast_convert_type(scale[..., 0], PACKED)], axis=-1)
-
-
-def dequantize_entries(packed: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Packed fp8 entries [..., Y + 4] -> [..., Y] in `dtype` (value x its token's scale, in float32)."""
-    Y = packed.shape[-1] - SCALE_BYTES
-    values = jax.lax.bitcast_convert_type(packed[..., :Y], FP8).astype(jnp.float32)
-    scale = jax.lax.bitcast_convert_type(packed[..., Y:], jnp.float32)
-    return (values * scale[..., None]).astype(dtype)
-
-
-def read_entries(cache_entries: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Entries read from a cache (either format) in the compute dtype."""
-    return dequantize_entries(cache_entries, dtype) if is_fp8(cache_entries) else cache_entries.astype(dtype)
-
-
-def through_cache(new_BTY: jax.Array, cache: Cache) -> jax.Array:
-    """New entries as attention will read them back from `cache` (rounded through its format), in their dtype."""
-    if is_fp8(_array(cache)):
-        return dequantize_entries(quantize_entries(new_BTY), new_BTY.dtype)
-    return new_BTY.astype(_array(cache).dtype)
-
-
-def write_cache(cache_LBSY: Cache, layer: jax.Array | int, new_BTY: jax.Array, pos_BT: jax.Array) -> Cache:
-    """Store each row's T new entries at their positions in `layer` (an in-place scatter; out-of-range dropped),
-    quantised when the cache is fp8; a `Paged` cache's through its rows' block tables."""
-    stored = quantize_entries(new_BTY) if is_fp8(_array(cache_LBSY)) else new_BTY.astype(_array(cache_LBSY).dtype)
-    if isinstance(cache_LBSY, Paged):
-        blocks_BT, offsets_BT = cache_LBSY.slots(pos_BT)
-        pool = cache_LBSY.pool.at[layer, blocks_BT, offsets_BT].set(stored, mode="drop")
-        return cache_LBSY._replace(pool=pool)
-    rows_BT = jnp.broadcast_to(jnp.arange(pos_BT.shape[0], dtype=pos_BT.dtype)[:, None], pos_BT.shape)
-    return cache_LBSY.at[layer, rows_BT, pos_BT].set(stored, mode="drop")
-
-
-def _array(cache: Cache) -> jax.Array:
-    return cache.pool if isinstance(cache, Paged) else cache
-
-
-def cache_positions(cache: Cache) -> int:
-    """Positions each row of a cache can hold."""
-    return cache.positions if isinstance(cache, Paged) else cache.shape[2]
-
-
-def read_block(cache: Cache, layer: jax.Array | int, row: jax.Array, start: jax.Array, size: int) -> jax.Array:
-    """Row `row`'s raw entries at positions [start, start + size) of `layer`, [1, size, Y] (start a multiple of a
-    paged cache's block, size too; the caller keeps the range inside the row's positions)."""
-    if not isinstance(cache, Paged):
-        return jax.lax.dynamic_slice(cache, (layer, row, start, 0), (1, 1, size, cache.shape[-1]))[0]
-    blk = cache.block
-    ids = jax.lax.dynamic_slice(cache.tables, (row, start // blk), (1, size // blk))[0]
-    return cache.pool[layer, ids].reshape(1, size, cache.pool.shape[-1])
-
-
-def read_size(cache: Cache, kv_block: int) -> int:
-    """Positions per block of the live-prefix loop: `kv_block` (at least one of a paged cache's blocks, and a whole
-    number of them), capped at the row's positions."""
-    if kv_block < 1:
-        raise ValueError(f"kv_block: cache positions per attention block must be >= 1, got {kv_block}")
-    if isinstance(cache, Paged):
-        return cache.block * max(1, min(kv_block // cache.block, cache.tables.shape[1]))
-    return min(kv_block, cache.shape[2])
 
 
 def live_blocks(q_pos_BT: jax.Array, cache_len: int, kv_block: int) -> tuple[jax.Array, int]:

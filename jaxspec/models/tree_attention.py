@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.cache import Cache, Paged, through_cache, write_cache
 from jaxspec.models.mla import (
     KV_BLOCK,
     MLA,
@@ -31,8 +32,6 @@ from jaxspec.models.mla import (
     online_softmax,
     softmax_finish,
     softmax_init,
-    through_cache,
-    write_cache,
 )
 from jaxspec.models.quant import einsum as ein
 
@@ -51,7 +50,7 @@ def tree_attention(
     block_fn: BlockFn,
     init: Softmax,
     fresh_BSY: jax.Array,
-    cache_LBSY: jax.Array,
+    cache_LBSY: Cache,
     layer: jax.Array | int,
     prefix_len_B: jax.Array,
     mask_BTS: jax.Array,
@@ -87,7 +86,7 @@ def tree_verify_mla(
     cos_sin: tuple[jax.Array, jax.Array],
     prefix_len_B: jax.Array,
     mask_BTS: jax.Array,
-    cache_LBSY: jax.Array,
+    cache_LBSY: Cache,
     layer: jax.Array | int,
     *,
     kv_block: int = KV_BLOCK,
@@ -114,7 +113,7 @@ def mla_tree_attention(
     q_nope_BTNH: jax.Array,
     q_rope_BTNR: jax.Array,
     fresh_BSY: jax.Array,
-    cache_LBSY: jax.Array,
+    cache_LBSY: Cache,
     layer: jax.Array | int,
     prefix_len_B: jax.Array,
     mask_BTS: jax.Array,
@@ -144,7 +143,7 @@ def mla_tree_attention(
 
 
 def compact_path(
-    cache: jax.Array, prefix_len_B: jax.Array, path: jax.Array, num_accepted_B: jax.Array, *, batch_axis: int
+    cache: Cache, prefix_len_B: jax.Array, path: jax.Array, num_accepted_B: jax.Array, *, batch_axis: int
 ) -> jax.Array:
     """Move the accepted path's cache entries to consecutive slots: slot prefix + path[j] -> prefix + j, j <= a.
 
@@ -155,6 +154,8 @@ def compact_path(
     gather and one scatter of (max_depth + 1) entries per row; with a donated cache the scatter is in place.
     """
     B = prefix_len_B.shape[0]
+    if isinstance(cache, Paged):
+        return _compact_paged(cache, prefix_len_B, path, num_accepted_B)
     if cache.shape[batch_axis] != B:
         raise ValueError(f"cache: expected batch {B} at axis {batch_axis}, got shape {cache.shape}")
     if path.shape[0] != B or num_accepted_B.shape != (B,):
@@ -168,3 +169,14 @@ def compact_path(
     dst = jnp.where(j <= num_accepted_B[:, None], prefix_len_B[:, None] + j, S)  # S: dropped
     lead = (slice(None),) * batch_axis
     return cache.at[(*lead, rows, dst)].set(cache[(*lead, rows, src)], mode="drop")
+
+
+def _compact_paged(cache: Paged, prefix_len_B: jax.Array, path: jax.Array, num_accepted_B: jax.Array) -> Paged:
+    """`compact_path` on a paged target cache ([L, N, block, Y] through its rows' tables): the same moves, each
+    position found in the row's own blocks."""
+    j = jnp.arange(path.shape[1], dtype=jnp.int32)
+    src_blocks, src_offsets = cache.slots(prefix_len_B[:, None] + path)
+    dst = jnp.where(j <= num_accepted_B[:, None], prefix_len_B[:, None] + j, -1)  # -1: past the pool, dropped
+    dst_blocks, dst_offsets = cache.slots(dst)
+    moved = cache.pool[:, src_blocks, src_offsets]
+    return cache._replace(pool=cache.pool.at[:, dst_blocks, dst_offsets].set(moved, mode="drop"))

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxspec.models.cache import Paged
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, KVCache, Split, concat_captured
 from jaxspec.runtime.target import Target
 from sharding.mesh import DATA
@@ -72,6 +73,18 @@ class Drafter:
             return (PartitionSpec(self.rules.batch, None, None),)
         return (PartitionSpec(self.rules.batch, None, self.rules.heads if self.split.heads else None, None),) * 2
 
+    def specs_of(self, cache) -> tuple[PartitionSpec, ...] | Paged | None:
+        """The PartitionSpecs a step places `cache` in: a dense cache's (`cache_specs`), or a `Paged` pool's (its
+        blocks placed as a dense cache's rows) and its tables' (rows as the batch). A pool is one for all rows: it
+        needs the data axis to be 1."""
+        if cache is None:
+            return None
+        if not isinstance(cache, Paged):
+            return self.cache_specs()
+        if self.mesh.shape.get(DATA, 1) != 1:
+            raise ValueError(f"a paged cache needs the mesh's data axis to be 1, got a {dict(self.mesh.shape)} mesh")
+        return Paged(self.cache_specs(), PartitionSpec(self.rules.batch, None))
+
     def apply(
         self,
         params,
@@ -93,10 +106,15 @@ class Drafter:
         if hidden.shape != (*tokens_BT.shape, width):
             raise ValueError(f"hidden: expected shape {(*tokens_BT.shape, width)}, got {hidden.shape}")
         batch = self.rules.batch
-        cache_spec = None if cache is None else self.cache_specs()
+        cache_spec = self.specs_of(cache)
 
         def local(params, tokens, hidden, pos, cache):
-            return nnx.merge(self.graphdef, params)(tokens, hidden, pos, cache, first_step=first_step)
+            model = nnx.merge(self.graphdef, params)
+            if not isinstance(cache, Paged):
+                return model(tokens, hidden, pos, cache, first_step=first_step)
+            # A pool: the rows' entries as the dense cache the model attends over; only the step's are written back.
+            logits, h2, dense = model(tokens, hidden, pos, cache.dense(), first_step=first_step)
+            return logits, h2, cache.written(dense, pos)
 
         specs = (PartitionSpec(batch, None), PartitionSpec(batch, None, None), PartitionSpec(batch, None), cache_spec)
         return self._sharded_step(local, params, (tokens_BT, hidden, pos_BT, cache), specs, cache_spec)
@@ -124,6 +142,7 @@ class Drafter:
 
         def local(params, tokens, hidden, pos, cache, scratch, mask, prefix):
             model = nnx.merge(self.graphdef, params)
+            cache = cache.dense() if isinstance(cache, Paged) else cache  # only read
             return model.tree_step(tokens, hidden, pos, cache, scratch, write_at, mask, prefix)
 
         args = (tokens_BK, hidden_BKD, pos_BK, cache, scratch, mask_BKM, prefix_len_B)
@@ -131,7 +150,7 @@ class Drafter:
             PartitionSpec(batch, None),
             PartitionSpec(batch, None, None),
             PartitionSpec(batch, None),
-            cache_spec,
+            self.specs_of(cache),
             cache_spec,
             PartitionSpec(batch, None, None),
         )
@@ -144,6 +163,8 @@ class Drafter:
         def put(x, spec):
             if x is None:
                 return None
+            if isinstance(x, Paged):
+                return Paged(put(x.pool, spec.pool), put(x.tables, spec.tables))
             if isinstance(x, tuple):
                 return tuple(put(c, sc) for c, sc in zip(x, spec, strict=True))
             return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))

@@ -19,8 +19,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
+from jaxspec.models.cache import PACKED, SCALE_BYTES, Paged
 from jaxspec.models.kimi import KimiModel
-from jaxspec.models.mla import KV_BLOCK, PACKED, SCALE_BYTES, AttnImpl
+from jaxspec.models.mla import KV_BLOCK, AttnImpl
 from jaxspec.models.moe import ExpertImpl, MoE
 from jaxspec.models.quant import Fp8Array, Int4Array
 from jaxspec.models.tree_attention import compact_path
@@ -216,6 +217,18 @@ class Target:
         """PartitionSpec of the latent cache [L, B, S, C+R]: batch over data, replicated over model."""
         return PartitionSpec(None, self.rules.batch, None, None)
 
+    def specs_of(self, cache) -> PartitionSpec | Paged | None:
+        """The PartitionSpecs a forward places `cache` in: a dense cache's (`cache_spec`), or a `Paged` pool's (as a
+        dense cache's: `init_cache(blocks, block)` makes it) and its tables' (rows as the batch). A pool is one for
+        all rows: it needs the data axis to be 1, so every device holds every block."""
+        if cache is None:
+            return None
+        if not isinstance(cache, Paged):
+            return self.cache_spec()
+        if self.mesh.shape.get(DATA, 1) != 1:
+            raise ValueError(f"a paged cache needs the mesh's data axis to be 1, got a {dict(self.mesh.shape)} mesh")
+        return Paged(self.cache_spec(), PartitionSpec(self.rules.batch, None))
+
     def apply(
         self,
         params,
@@ -238,7 +251,7 @@ class Target:
             raise ValueError("tree_mask_BTS: tree verification runs absorbed attention, got impl='expanded'")
         impl = impl or ("absorbed" if tokens_BT.shape[1] <= ABSORBED_MAX_TOKENS else "expanded")
         batch, capture = self.rules.batch, tuple(int(c) for c in capture)
-        cache_spec = None if cache_LBSY is None else self.cache_spec()
+        cache_spec = self.specs_of(cache_LBSY)
         if head == "logits":
             head_spec = PartitionSpec(batch, None, self.rules.model_axis)
         elif head == "argmax":
@@ -259,7 +272,7 @@ class Target:
                 logits = sharded_top_k(logits, head, self.rules.model_axis)
             return logits, cache, captured
 
-        reshard = lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+        reshard = lambda x, spec: None if x is None else _reshard(x, self.mesh, spec)
         rows = PartitionSpec(batch, None)
         tokens_BT, pos_BT, cache_LBSY = reshard(tokens_BT, rows), reshard(pos_BT, rows), reshard(cache_LBSY, cache_spec)
         mask_spec = None if tree_mask_BTS is None else PartitionSpec(batch, None, None)
@@ -275,8 +288,8 @@ class Target:
     def compact_cache(self, cache_LBSY, prefix_len_B, path, num_accepted_B):
         """After a tree verify: move each row's accepted path to consecutive cache slots (`tree.compact_path`),
         per data shard (traceable)."""
-        batch, cache_spec = self.rules.batch, self.cache_spec()
-        reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+        batch, cache_spec = self.rules.batch, self.specs_of(cache_LBSY)
+        reshard = functools.partial(_reshard, mesh=self.mesh)
         fn = jax.shard_map(
             lambda c, n, p, a: compact_path(c, n, p, a, batch_axis=1),
             mesh=self.mesh,
@@ -284,10 +297,10 @@ class Target:
             out_specs=cache_spec,
         )
         return fn(
-            reshard(cache_LBSY, cache_spec),
-            reshard(prefix_len_B, PartitionSpec(batch)),
-            reshard(path, PartitionSpec(batch, None)),
-            reshard(num_accepted_B, PartitionSpec(batch)),
+            reshard(cache_LBSY, spec=cache_spec),
+            reshard(prefix_len_B, spec=PartitionSpec(batch)),
+            reshard(path, spec=PartitionSpec(batch, None)),
+            reshard(num_accepted_B, spec=PartitionSpec(batch)),
         )
 
     def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits", tree: bool = False):
@@ -417,3 +430,10 @@ def check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
         rules,
     )
     check_divisible(mesh, {"mlp": cfg.moe_intermediate_size * cfg.n_shared_experts}, rules)
+
+
+def _reshard(x, mesh: Mesh, spec):
+    """`x` (an array, or a `Paged` cache with a `Paged` of specs) placed as `spec` says on `mesh`."""
+    if isinstance(x, Paged):
+        return Paged(*(_reshard(a, mesh, s) for a, s in zip(x, spec, strict=True)))
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))

@@ -63,12 +63,6 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = _setting(
         (), "comma-separated segment batch sizes to compile (default: powers of two up to --max-batch)"
     )
-    # A segment runs only positions [0, s) for the smallest s covering what every occupied row can reach in it, so
-    # attention and cache traffic follow the live lengths, not max_context. Each bucket compiles its own segment
-    # programs (batch buckets x context buckets x the greedy and per-row programs), so startup takes longer.
-    context_buckets: tuple[int, ...] = _setting(
-        (), "comma-separated segment context sizes to compile (default: 256, 1024, 4096, ... up to --max-context)"
-    )
     # While every occupied row is greedy, segments run the static-greedy program (argmax head, no per-row warping
     # or sampling); its tokens are the per-row program's for greedy rows. False: always the per-row program.
     greedy_program: bool = True
@@ -76,14 +70,14 @@ class EngineConfig:
     # share one budget of positions instead of each slot owning max_context of them, and share cached prefixes.
     kv_cache_tokens: int = _setting(0, "cache positions in the shared pool (0: max-batch x max-context)")
     block_size: int = _setting(
-        0, "positions per cache block (0: the largest dividing the prefill chunk and every context bucket)"
+        0, "positions per cache block (0: the largest dividing the prefill chunk and the max context)"
     )
     prefix_cache: bool = _setting(True, "reuse the cache of full prompt blocks another request already computed")
 
     @property
     def block(self) -> int:
         """Positions per cache block (`block_size`, or its default)."""
-        return self.block_size or math.gcd(self.prefill_chunk, *self.contexts)
+        return self.block_size or math.gcd(self.prefill_chunk, self.max_context)
 
     @property
     def pool_blocks(self) -> int:
@@ -100,14 +94,6 @@ class EngineConfig:
     def shapes(self) -> tuple[DraftShape, ...]:
         """The draft shapes segments run (compiled each)."""
         return (DraftShape(0), self.draft) if self.adaptive and not self.draft.plain else (self.draft,)
-
-    @property
-    def contexts(self) -> tuple[int, ...]:
-        if self.context_buckets:
-            return tuple(sorted(set(self.context_buckets) | {self.max_context}))
-        # Powers of 4, not 2: a bucket saves a segment 7-33% over the one 4x its size with short rows
-        # (benchmarks/results/serve_buckets.md), and every bucket costs start-up time and memory maps (startup.py).
-        return tuple(sorted({min(256 << 2 * i, self.max_context) for i in range(self.max_context.bit_length())}))
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk", "segment_cycles"):
@@ -126,10 +112,6 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.batch_buckets: expected sizes in [1, {self.max_batch}], got {self.batch_buckets}"
             )
-        if any(not isinstance(s, int) or not 1 <= s <= self.max_context for s in self.context_buckets):
-            raise ValueError(
-                f"EngineConfig.context_buckets: expected sizes in [1, {self.max_context}], got {self.context_buckets}"
-            )
         self._check_pool()
         if self.max_context % self.prefill_chunk:
             raise ValueError(
@@ -142,10 +124,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"EngineConfig.{name}: expected an integer >= 0, got {value!r}")
-        if any(n % self.block for n in (self.prefill_chunk, *self.contexts)):
+        if any(n % self.block for n in (self.prefill_chunk, self.max_context)):
             raise ValueError(
                 f"EngineConfig.block_size: {self.block} must divide the prefill chunk ({self.prefill_chunk}) and "
-                f"every context bucket {self.contexts}"
+                f"max_context ({self.max_context})"
             )
         if self.kv_cache_tokens and self.kv_cache_tokens < self.max_context:
             raise ValueError(
@@ -264,18 +246,17 @@ class Engine:
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
         before, compiled = maps_in_use(), 0
         for b in cfg.buckets:
-            for s in cfg.contexts:
-                for shape in cfg.shapes:
-                    for greedy in programs.programs:
-                        # The dummy request finishes in its first cycles; then these run only to compile. A plan of
-                        # its own (step 0: not the scheduler's), so the other processes of a server compile them too.
-                        self._run(StepPlan(0, segment=Segment(b, s, shape, greedy, cfg.segment_cycles)))
-                        compiled += 1
-                    if budget:  # what the programs so far took, before compiling more
-                        budget.check_projection(programs, compiled, maps_in_use() - before)
+            for shape in cfg.shapes:
+                for greedy in programs.programs:
+                    # The dummy request finishes in its first cycles; then these run only to compile. A plan of its
+                    # own (step 0: not the scheduler's), so the other processes of a server compile them too.
+                    self._run(StepPlan(0, segment=Segment(b, shape, greedy, cfg.segment_cycles)))
+                    compiled += 1
+                if budget:  # what the programs so far took, before compiling more
+                    budget.check_projection(programs, compiled, maps_in_use() - before)
             on_progress(
-                f"  segments over {b} rows x contexts {list(cfg.contexts)} x {len(cfg.shapes)} drafts x "
-                f"{len(programs.programs)} programs compiled ({time.perf_counter() - start:.1f}s)"
+                f"  segments over {b} rows x {len(cfg.shapes)} drafts x {len(programs.programs)} programs compiled "
+                f"({time.perf_counter() - start:.1f}s)"
             )
         self.run_until_idle()
         # A prefix hit's admission: a row admitted as if its first chunk were cached, then freed (every row is free

@@ -3,14 +3,14 @@
 It owns the device side of serving: the loop state of every slot (`LoopState`, B rows x S positions, without its
 caches), the cache pool (`CachePool`: the target's latent cache and the drafter's KV in blocks of positions; block 0
 is the null block) with each row's block table, and the compiled programs that change them (admit, free, a step's
-prefill chunks and its segment over a window of rows and positions). A segment's program runs the step's prefill
-chunks first, then its cycles (a mixed step: a step with a generating row runs no prefill program of its own; the
-same program without a segment runs the chunks alone when no row is generating). A prefill chunk or a segment
-gathers its rows' blocks into the dense window of the state the compiled loop runs on, and scatters the window's
-caches back through the same tables (a cached prefix block shared by rows gets back the values it had: nothing below
-a row's prompt end is written). It decides nothing: which rows, chunks, buckets and program run is the plan's, so
-every process of a multi-process server runs the same programs in the same order from the same plans. The plan's
-parts run in the order plan.py gives (free, blocks, admit, prefill, segment, read).
+prefill chunks and its segment over a window of rows). A segment's program runs the step's prefill chunks first,
+then its cycles (a mixed step: a step with a generating row runs no prefill program of its own; the same program
+without a segment runs the chunks alone when no row is generating). A prefill chunk or a segment runs the compiled
+loop on a window of the state's rows whose caches are the pool itself (`models.cache.Paged`): attention reads each
+row's own blocks through its table, as far as that row's own length, and a step writes its new entries straight
+into the row's blocks; nothing is copied out of the pool and back. It decides nothing: which rows, chunks, buckets
+and program run is the plan's, so every process of a multi-process server runs the same programs in the same order
+from the same plans. The plan's parts run in the order plan.py gives (free, blocks, admit, prefill, segment, read).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.generate import LoopCache
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.state import DRAFTER_ONLY, Logprobs, LoopConfig, LoopState, RowInit
+from jaxspec.models.cache import Paged
 from jaxspec.serving.plan import Counters, PrefillChunk, RowResult, Segment, StepPlan, StepResult
 from jaxspec.serving.startup import cpu_compiler_options
 from sharding.multihost import put_global, to_host
@@ -182,8 +182,8 @@ class Executor:
         return StepResult(plan.step, self._read(plan), self.counters(), seconds)
 
     def segment(self, segment: Segment, prefill: tuple[PrefillChunk, ...] = ()) -> None:
-        """The `prefill` chunks in order, then `segment.cycles` cycles over rows [0, rows) and positions [0,
-        positions), as the segment's one program (the same program with no chunks: their count is an argument)."""
+        """The `prefill` chunks in order, then `segment.cycles` cycles over rows [0, rows), as the segment's one
+        program (the same program with no chunks: their count is an argument)."""
         if segment.draft not in self.programs:
             labels = [shape.label for shape in self.shapes]
             raise ValueError(f"Segment.draft: this executor runs {labels}, got {segment.draft.label}")
@@ -193,7 +193,7 @@ class Executor:
             self._q_stale = self._greedy_leaves_q
         elif self._q_stale:
             fix, self._q_stale = True, False
-        window = segment.rows, segment.positions, not segment.draft.plain
+        window = segment.rows, None, not segment.draft.plain
         self._run_program(prefill, program, window, fix, segment.cycles)
 
     def _run_program(self, prefill, program: LoopConfig | None = None, window=None, fix=False, cycles=0) -> None:
@@ -252,44 +252,23 @@ _free = jax.jit(LoopState.free, donate_argnums=0)
 def _gather(
     state: LoopState, pool: CachePool, tables, start, rows: int, positions: int | None, drafter: bool = True
 ) -> LoopState:
-    """The window of rows [start, start + rows) and positions [0, positions) (all: None), its caches read from the
-    pool through the rows' block tables (the drafter's only with `drafter`; else None)."""
+    """The window of rows [start, start + rows) and positions [0, positions) (all: None). Its caches are the pool's
+    (`Paged`: read and written in place through the rows' block tables; nothing is copied out): the target's, and
+    the drafter's with `drafter` (else None)."""
     window = state.window(rows, positions, start)
     block = pool.target.shape[2]
     blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
-    R, K = blocks_RK.shape
-
-    def read(cache, axis):  # [.., N, block, ..] -> [.., R, K * block, ..], the rows sharded as the blocks were
-        spec = _spec(cache)
-        out = _sharding(cache, (*spec[: axis + 1], None, *spec[axis + 1 :]))
-        x = cache.at[(slice(None),) * axis + (blocks_RK,)].get(out_sharding=out)
-        return x.reshape(x.shape[:axis] + (R, K * block) + x.shape[axis + 3 :])
-
-    drafts = jax.tree.map(lambda c: read(c, 0), pool.drafter) if drafter else None
-    return window.replace(target_cache=read(pool.target, 1), draft_cache=drafts)
+    drafts = Paged(pool.drafter, blocks_RK) if drafter else None
+    return window.replace(target_cache=Paged(pool.target, blocks_RK), draft_cache=drafts)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) -> tuple[LoopState, CachePool]:
-    """Put `part`, a `_gather`ed window from row `start`, back: its rows into the state, its caches into the pool
-    through the rows' block tables (positions a row owns no block for go to the null block; a window without the
-    drafter's cache leaves the pool's as it is)."""
-    block = pool.target.shape[2]
-    R, P = part.tokens_BS.shape
-    blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, R)[:, : P // block]
-
-    def write(cache, window, axis):  # window [.., R, P, ..] -> its blocks of the pool
-        x = window.reshape(window.shape[:axis] + (R, P // block, block) + window.shape[axis + 2 :])
-        spec = _spec(cache)  # the indexed blocks [R, K] replicated, the other axes sharded as the pool's
-        x = jax.sharding.reshard(x, _sharding(cache, (*spec[:axis], None, None, *spec[axis + 1 :])))
-        return cache.at[(slice(None),) * axis + (blocks_RK,)].set(x, out_sharding=jax.typeof(cache).sharding)
-
-    target = write(pool.target, part.target_cache, 1)
-    drafter = pool.drafter
-    if part.draft_cache is not None:
-        drafter = jax.tree.map(lambda c, w: write(c, w, 0), pool.drafter, part.draft_cache)
+def _scatter(state: LoopState, pool: CachePool, part: LoopState, start) -> tuple[LoopState, CachePool]:
+    """Put `part`, a `_gather`ed window from row `start`, back: its rows into the state, and the pools as the window
+    left them (written in place; a window without the drafter's leaves the pool's as it is)."""
+    drafter = pool.drafter if part.draft_cache is None else part.draft_cache.pool
     state = state.put(part.replace(target_cache=None, draft_cache=None), start)
-    return state, CachePool(target, drafter)
+    return state, CachePool(part.target_cache.pool, drafter)
 
 
 def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks_N3, count, fix, cycles):
@@ -313,7 +292,7 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         feed = chunks_N3[i, 2] > 0 if state.drafted_B is not None else None  # a fixed shape always feeds it
         part = _gather(state, pool, tables, row, 1, None)
         part = loop.prefill_slot(prefill, *params, part, jnp.int32(0), start, feed)
-        return _scatter(state, pool, tables, part, row)
+        return _scatter(state, pool, part, row)
 
     state, aside = state.set_aside("aux_BSI")
     state, pool = jax.lax.fori_loop(0, count, chunk, (state, pool))
@@ -326,8 +305,8 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         return _plain_segment(loop, cfg, window, params, state, pool, tables, cycles)
     part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
     if kept is None:
-        return _scatter(state, pool, tables, part, jnp.int32(0))
-    state, pool = _scatter(state.replace(aux_BSI=None), pool, tables, part.replace(aux_BSI=None), jnp.int32(0))
+        return _scatter(state, pool, part, jnp.int32(0))
+    state, pool = _scatter(state.replace(aux_BSI=None), pool, part.replace(aux_BSI=None), jnp.int32(0))
     return state.replace(aux_BSI=kept), pool  # a chain segment only reads the kept states (its catch-up)
 
 
@@ -347,18 +326,8 @@ def _plain_segment(loop, cfg, window, params, state, pool, tables, cycles):
     state, aside = state.set_aside(*DRAFTER_ONLY, "aux_BSI")
     part = _gather(state, pool, tables, jnp.int32(0), *window).replace(aux_BSI=aside["aux_BSI"])
     part = loop.run(cfg, *params, part, cycles)
-    state, pool = _scatter(state, pool, tables, part.replace(aux_BSI=None), jnp.int32(0))
+    state, pool = _scatter(state, pool, part.replace(aux_BSI=None), jnp.int32(0))
     return state.replace(**aside | {"aux_BSI": part.aux_BSI}), pool
-
-
-def _spec(x: jax.Array) -> tuple:
-    """`x`'s PartitionSpec (traced), one entry per axis."""
-    spec = jax.typeof(x).sharding.spec
-    return (*spec, *(None,) * (x.ndim - len(spec)))
-
-
-def _sharding(x: jax.Array, spec: tuple) -> NamedSharding:
-    return NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec(*spec))
 
 
 _greedy_q_repaired = jax.jit(LoopState.greedy_q_repaired)

@@ -30,7 +30,7 @@ from typing import Any
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling_params import RowSpec
 
-FORMAT = 2  # the serialised form's version (`to_bytes` writes it, `from_bytes` checks it)
+FORMAT = 3  # the serialised form's version (`to_bytes` writes it, `from_bytes` checks it)
 
 
 def _int(owner: str, name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -105,16 +105,16 @@ class PrefillChunk(RowPosition):
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """`cycles` cycles of the loop over rows [0, rows) and positions [0, positions): both compiled buckets."""
+    """`cycles` cycles of the loop over rows [0, rows) (a compiled batch bucket), each row reading and writing its
+    own cache blocks in place."""
 
     rows: int
-    positions: int
     draft: DraftShape
     greedy: bool  # the static-greedy program (every occupied row is greedy); False: the per-row program
     cycles: int
 
     def __post_init__(self):
-        for name in ("rows", "positions", "cycles"):
+        for name in ("rows", "cycles"):
             _int("Segment", name, getattr(self, name), 1)
         if not isinstance(self.draft, DraftShape):
             raise ValueError(f"Segment.draft: expected a DraftShape, got {self.draft!r}")
@@ -126,7 +126,7 @@ class Segment:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Segment:
-        return cls(d["rows"], d["positions"], DraftShape.from_dict(d["draft"]), d["greedy"], d["cycles"])
+        return cls(d["rows"], DraftShape.from_dict(d["draft"]), d["greedy"], d["cycles"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,9 @@ requests. What it decides, in this order, for each step:
 2. admission: queued requests take the lowest free slots, in arrival order; each becomes a `RowAdmission` with its
    seed (drawn here when the request has none: an executor never draws one);
 3. prefill: every slot still prefilling gets ONE chunk of its prompt, so a long prompt never stalls the others;
-4. the segment, when a row is generating: the smallest compiled row bucket covering every generating row, the
-   smallest context bucket covering what every occupied row can reach in it, and the program: static-greedy while
-   every occupied row is greedy and wants no logprobs (and the config allows it), else per-row;
+4. the segment, when a row is generating: the smallest compiled row bucket covering every generating row (each row
+   reads its own cache blocks as far as its own length, so no context size is chosen), and the program:
+   static-greedy while every occupied row is greedy and wants no logprobs (and the config allows it), else per-row;
 5. reads: every generating row's tokens past what its request holds.
 `update` delivers new tokens (`on_update(request, new_tokens)`), frees the slot of a finished row, and returns a
 `StepReport` (who got how many tokens, who finished) from which the engine keeps its metrics.
@@ -79,9 +79,6 @@ class SlotConfig(Protocol):
 
     @property
     def buckets(self) -> tuple[int, ...]: ...  # compiled segment row counts, ascending, the last = max_batch
-
-    @property
-    def contexts(self) -> tuple[int, ...]: ...  # compiled segment positions, ascending, the last = max_context
 
 
 @dataclasses.dataclass
@@ -347,29 +344,14 @@ class Scheduler:
         return PrefillChunk(row, start, slot.drafter)
 
     def _segment(self, rows: int, generating: int) -> Segment:
-        """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, drafting the
-        policy's shape, static-greedy while every occupied row is greedy (and the config allows it), else per-row."""
+        """A segment over the smallest row bucket >= `rows`, drafting the policy's shape, static-greedy while every
+        occupied row is greedy (and the config allows it), else per-row. Each row reads its own cache blocks as far
+        as its own length: nothing here depends on the rows' lengths."""
         cfg = self.config
         b = next(b for b in cfg.buckets if b >= rows)
         draft = self.policy.choose(b, generating)
-        s = next(s for s in cfg.contexts if s >= self._context_need(draft))
         greedy = cfg.greedy_program and all(s is None or _greedy_program_serves(s.request) for s in self.slots)
-        return Segment(b, s, draft, greedy, cfg.segment_cycles)
-
-    def _context_need(self, draft: DraftShape) -> int:
-        """Positions the next segment can touch: every generating row's end plus what its cycles can write (capped by
-        its budget), and every prefilling row's prompt plus the lookahead its riding-along cycles write (the
-        drafter's cache writes clamp at the window's end, so they must stay inside it)."""
-        need = 1
-        for slot in self.slots:
-            if slot is None:
-                continue
-            r = slot.request
-            if slot.next_chunk is not None:  # a done row: riding-along cycles write as one cycle at its prompt's end
-                need = max(need, draft.reach(slot.prompt_len, len(r.prompt) + r.max_tokens, cycles=1))
-            else:
-                need = max(need, _row_reach(draft, slot.request, self.config.segment_cycles))
-        return need
+        return Segment(b, draft, greedy, cfg.segment_cycles)
 
     def _finish(self, request: Request, reason: str, new: list[int] | None = None) -> None:
         request.finish_reason, request.slot = reason, None

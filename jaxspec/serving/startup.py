@@ -3,7 +3,7 @@
 XLA:CPU JIT-links every compiled kernel of a program as an object of its own, and each object takes about three
 memory maps (code, read-only data, data) that stay while the program is loaded. A serving segment program of the
 bundled pair holds hundreds of kernels, and `jaxspec serve` keeps every program it compiles (one segment program per
-batch bucket x context bucket x draft shape x greedy/per-row program), so a start-up can run out of maps long before
+batch bucket x draft shape x greedy/per-row program), so a start-up can run out of maps long before
 it runs out of memory: Linux's default `vm.max_map_count` is 65,530, and the next compile past it fails inside LLVM
 ("Cannot allocate memory") and the process dies (SIGSEGV). The serving programs are therefore compiled with
 `CPU_COMPILER_OPTIONS`, which hold the same program in fewer objects, and the start-up is checked against the limit
@@ -28,10 +28,10 @@ from typing import Any
 # a server uses those its jaxlib knows (`cpu_compiler_options`).
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
 
-# The maps one program takes, by kind, measured on the bundled pair (the largest over the batch and context buckets,
-# rounded up; tests/serving/test_startup.py checks the table in use against a compile): a segment program by (chain,
-# per-row), and the programs every start-up compiles once (admit, free, the prefill chunks run alone). With the
-# one-module option (jax 0.10, 0.11), and without it (jax 0.12: each fusion is an object of its own).
+# The maps one program takes, by kind, measured on the bundled pair (the largest over the batch buckets, rounded up;
+# tests/serving/test_startup.py checks the table in use against a compile): a segment program by (chain, per-row),
+# and the programs every start-up compiles once (admit, free, the prefill chunks run alone). With the one-module
+# option (jax 0.10, 0.11), and without it (jax 0.12: each fusion is an object of its own).
 SEGMENT_MAPS = {(False, False): 750, (False, True): 850, (True, False): 850, (True, True): 1350}
 SEGMENT_MAPS_PER_FUSION = {(False, False): 1500, (False, True): 1650, (True, False): 1650, (True, True): 2050}
 FIXED_MAPS = 1100
@@ -88,39 +88,37 @@ def maps_in_use() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The segment programs a serving configuration compiles: batch buckets x context buckets x draft shapes x
-    (greedy, per-row) programs, besides the few every start-up compiles once."""
+    """The segment programs a serving configuration compiles: batch buckets x draft shapes x (greedy, per-row)
+    programs, besides the few every start-up compiles once."""
 
     buckets: tuple[int, ...]
-    contexts: tuple[int, ...]
     shapes: tuple  # DraftShape
     greedy_program: bool
 
     @classmethod
     def of(cls, config) -> Programs:
         """Of an `EngineConfig`."""
-        return cls(config.buckets, config.contexts, config.shapes, config.greedy_program)
+        return cls(config.buckets, config.shapes, config.greedy_program)
 
     @property
     def programs(self) -> tuple[bool, ...]:
-        """Per (bucket, context, shape): the programs compiled (True: the static-greedy one)."""
+        """Per (bucket, shape): the programs compiled (True: the static-greedy one)."""
         return (True, False) if self.greedy_program else (False,)
 
     @property
     def count(self) -> int:
-        return len(self.buckets) * len(self.contexts) * len(self.shapes) * len(self.programs)
+        return len(self.buckets) * len(self.shapes) * len(self.programs)
 
     def estimated_maps(self, table: dict | None = None) -> int:
         """The memory maps these programs take on XLA:CPU (`table`, default `segment_maps()`; `FIXED_MAPS`)."""
         table = table or segment_maps()
         per_cell = sum(table[(not s.plain, not greedy)] for s in self.shapes for greedy in self.programs)
-        return FIXED_MAPS + len(self.buckets) * len(self.contexts) * per_cell
+        return FIXED_MAPS + len(self.buckets) * per_cell
 
     def describe(self) -> str:
         return (
             f"{self.count} segment programs ({len(self.buckets)} batch buckets {list(self.buckets)} x "
-            f"{len(self.contexts)} context buckets {list(self.contexts)} x {len(self.shapes)} draft shapes x "
-            f"{len(self.programs)} programs)"
+            f"{len(self.shapes)} draft shapes x {len(self.programs)} programs)"
         )
 
 
@@ -163,7 +161,7 @@ class MapBudget:
         return (
             f"{programs.describe()} {need}, more than this process can hold: vm.max_map_count is {self.limit:,}, "
             f"{self.start:,} maps were in use before compiling, and {HEADROOM:.0%} of the limit is the most a "
-            "start-up plans for. Compile fewer programs: fewer --batch-buckets or --context-buckets, a smaller "
+            "start-up plans for. Compile fewer programs: fewer --batch-buckets, a smaller "
             "--max-batch or --max-context, or a fixed --num-steps (one draft shape instead of auto's two); or raise "
             "the limit (as root: sysctl -w vm.max_map_count=262144). Start-up costs: docs/serving.md#start-up"
         )

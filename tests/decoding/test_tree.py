@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from jaxspec.decoding import tree as tr
 from jaxspec.decoding.acceptance import greedy_accept_ids
 from jaxspec.decoding.sampling import Sampling, warp
-from jaxspec.models.mla import write_cache
+from jaxspec.models.cache import write_cache
 from jaxspec.models.tree_attention import compact_path
 from tests.decoding.test_acceptance import chisquare_pvalue
 

@@ -7,6 +7,7 @@ sees exactly tokens 0..p), which tests/models/test_kimi_parity.py checks against
 past the live blocks makes the output NaN, a missing block or a leaked stale entry makes it wrong.
 """
 
+import contextlib
 from functools import partial
 
 import jax
@@ -22,6 +23,7 @@ from jaxspec.models.mla import MLA, live_blocks
 from sharding.mesh import make_mesh
 
 CFG = KimiConfig.preset("tiny")
+TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +126,77 @@ def test_ragged_verify_on_2x4_mesh_reads_only_each_shard_live_blocks():
     want = np.stack([full[b, s : s + T] for b, s in enumerate(starts)])
     assert np.isfinite(np.asarray(logits)).all(), "a data shard read past its own live blocks"
     np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5 * full.std())
+
+
+def paged_like(cache: np.ndarray, block: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """`cache` [L, B, S, Y] as a pool [L, 1 + B * S / block, block, Y] with shuffled tables [B, S / block] (block 0,
+    the null block, is NaN: no row owns it)."""
+    L, B, S, Y = cache.shape
+    K = S // block
+    tables = (1 + rng.permutation(B * K)).reshape(B, K).astype(np.int32)
+    pool = np.full((L, 1 + B * K, block, Y), np.nan, np.float32)
+    for b in range(B):
+        pool[:, tables[b]] = cache[:, b].reshape(L, K, block, Y)
+    return pool, tables
+
+
+@pytest.mark.parametrize("impl", ["absorbed", "expanded"])
+def test_a_paged_cache_is_read_and_written_in_place_as_the_dense_one(layer, impl):
+    """The same entries in a pool of shuffled blocks: the step's outputs are the dense cache's, value for value, and
+    its new entries land in each row's own blocks (nothing else of the pool changes)."""
+    from jaxspec.models.cache import Paged
+
+    rng = np.random.default_rng(5)
+    B, S, T, block = 3, 32, 2, 8
+    cache = rng.standard_normal((2, B, S, CFG.latent_dim)).astype(np.float32)
+    pool, tables = paged_like(cache, block, rng)
+    x = rng.standard_normal((B, T, CFG.hidden_size)).astype(np.float32)
+    pos = np.asarray([[3], [17], [29]]) + np.arange(T)
+    want, want_cache = run(layer, x, pos, jnp.asarray(cache), impl)
+    graphdef, params, freqs, factor = layer
+    out, paged = _run(
+        graphdef,
+        params,
+        freqs,
+        x,
+        jnp.asarray(pos),
+        Paged(jnp.asarray(pool), jnp.asarray(tables)),
+        factor=factor,
+        impl=impl,
+        kv_block=8,
+    )
+    np.testing.assert_array_equal(np.asarray(out), want)
+    got_pool = np.asarray(paged.pool)
+    assert np.isnan(got_pool[:, 0]).all()  # the null block: never written
+    for b in range(B):
+        np.testing.assert_array_equal(got_pool[:, tables[b]].reshape(2, S, -1), want_cache[:, b])
+
+
+@pytest.mark.parametrize("platform, call", [("tpu", "tpu_custom_call"), ("cuda", TRITON_CALL), ("cpu", None)])
+def test_the_paged_absorbed_read_lowers_to_the_kernel_on_tpu_and_gpu(platform, call):
+    """Lowered for a TPU or a CUDA GPU, decode over a paged cache is the Pallas kernel; lowered for the CPU it is the
+    XLA loop over each row's blocks (no kernel). Kimi-K2.5's latent width: 512 + 64."""
+    from jaxspec.models.cache import Paged
+    from jaxspec.models.kernels import lowering_for_gpu
+
+    cfg = CFG.replace(kv_lora_rank=512, qk_rope_head_dim=64)
+    graphdef, params = nnx.split(MLA(cfg, jnp.float32, nnx.Rngs(0)))
+    freqs, factor = rope.inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def step(x, pos, pool, tables):
+        cos_sin = rope.cos_sin(pos, jnp.asarray(freqs), factor)
+        return nnx.merge(graphdef, params)(x, cos_sin, pos, Paged(pool, tables), 0, "absorbed")
+
+    shapes = (
+        jax.ShapeDtypeStruct((2, 1, cfg.hidden_size), jnp.float32),
+        jax.ShapeDtypeStruct((2, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 9, 16, cfg.latent_dim), jnp.float32),
+        jax.ShapeDtypeStruct((2, 4), jnp.int32),
+    )
+    allow = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]  # never stored: no stability needed
+    with lowering_for_gpu() if platform == "cuda" else contextlib.nullcontext():
+        text = jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=allow)(*shapes).mlir_module()
+    if call is None:
+        assert "tpu_custom_call" not in text and "while" in text  # the XLA loop over each row's blocks
+    else:
+        assert text.count(call) >= 1, f"no {call} in the {platform} lowering"

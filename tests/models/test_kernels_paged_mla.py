@@ -2,10 +2,11 @@
 over the densely gathered cache, lowering for TPU (Mosaic, compiled deviceless by libtpu) and CUDA (Pallas Triton),
 and clear refusals.
 
-The reference gathers each row's blocks through its table into a dense [B, S, Y] cache (what the serving executor's
-`_gather` does) and runs `mla.attend_live_prefix` with `MLA.absorbed_block` over it: the kernel must compute what
-that computes, for either cache format. The kernel runs on a pool whose null block 0 is poisoned (NaN), so a row's
-table entries past its live blocks provably contribute nothing (the reference gets the pool with a clean null block).
+The reference gathers each row's blocks through its table into a dense [B, S, Y] cache and runs
+`mla.attend_live_prefix` with `MLA.absorbed_block` over it: the kernel must compute what that computes, for either
+cache format; and so must the XLA path serving runs on CPU, which reads the pool in place (`cache.Paged`). The kernel
+runs on a pool whose null block 0 is poisoned (NaN), so a row's table entries past its live blocks provably
+contribute nothing (the reference gets the pool with a clean null block).
 """
 
 import re
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxspec.models import mla
+from jaxspec.models import cache, mla
 from jaxspec.models.kernels import lowering_for_gpu, paged_mla
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -52,7 +53,7 @@ def scenario(seed: int, block: int, lengths, T: int, shared: int, fp8: bool, dty
     per_row = max(-(-n // block) for n in lengths) + 1  # at least one null entry past every row
     tables, blocks = make_tables(rng, lengths, block, per_row, shared)
     pool = jnp.asarray(rng.standard_normal((2, blocks, block, C + R)), dtype)
-    pool = mla.quantize_entries(pool) if fp8 else pool
+    pool = cache.quantize_entries(pool) if fp8 else pool
     poisoned = pool.at[:, 0].set(255 if fp8 else jnp.nan)  # 0xff: an e4m3 NaN and a NaN scale
     B = len(lengths)
     q_pos = np.asarray(lengths)[:, None] - T + np.arange(T)
@@ -61,15 +62,18 @@ def scenario(seed: int, block: int, lengths, T: int, shared: int, fp8: bool, dty
     return (q_abs, q_rope, poisoned, jnp.asarray(tables), jnp.asarray(q_pos, jnp.int32)), pool
 
 
-def reference(q_abs_BTNC, q_rope_BTNR, pool, tables, q_pos_BT) -> jax.Array:
+def reference(q_abs_BTNC, q_rope_BTNR, pool, tables, q_pos_BT, *, paged: bool = False) -> jax.Array:
     """The model's XLA attention (absorbed form, live-prefix loop with kv_block = the pool's block) over the cache
-    gathered densely through the block tables."""
+    gathered densely through the block tables, or (`paged`) over the pool in place through the tables, as serving
+    runs it."""
     B, K = tables.shape
     block = pool.shape[2]
-    dense_BSY = pool[LAYER][tables].reshape(B, K * block, pool.shape[-1])
+    kv, layer = cache.Paged(pool, tables), LAYER
+    if not paged:
+        kv, layer = pool[LAYER][tables].reshape(B, K * block, pool.shape[-1])[None], 0
     block_fn = mla.MLA.absorbed_block(None, q_abs_BTNC, q_rope_BTNR, C)  # uses no module state
     init = mla.softmax_init(q_abs_BTNC, C)
-    state = mla.attend_live_prefix(dense_BSY[None], 0, q_pos_BT, block_fn, init, SCALE, block, q_abs_BTNC.dtype)
+    state = mla.attend_live_prefix(kv, layer, q_pos_BT, block_fn, init, SCALE, block, q_abs_BTNC.dtype)
     return mla.softmax_finish(state, q_abs_BTNC.dtype)
 
 
@@ -98,6 +102,18 @@ def test_interpret_equals_xla_over_the_gathered_cache(backend, block, lengths, T
     expected = np.asarray(reference(*args[:2], clean, *args[3:]))
     assert np.isfinite(out).all()  # the poisoned null block was never read
     np.testing.assert_allclose(out, expected, rtol=FP32_TOL, atol=FP32_TOL)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_xla_in_place_equals_the_gathered_cache(fp8):
+    """Serving's XLA path reads the pool in place through shuffled, shared and partly filled tables, each row only as
+    far as its own live blocks (the null block is NaN: reading it would show): it computes what the same attention
+    computes over the cache gathered densely, value for value."""
+    args, clean = scenario(11, 16, (37, 64, 3, 20), 3, 2, fp8)
+    out = np.asarray(jax.jit(lambda *a: reference(*a, paged=True))(*args))
+    expected = np.asarray(jax.jit(reference)(*args[:2], clean, *args[3:]))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out, expected)
 
 
 def test_bf16_follows_the_xla_roundings():

@@ -15,7 +15,7 @@ from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.adaptive import EXPLORE_SHARE, FEED, FEED_EVERY, FIRST, LOSING, DraftPolicy
 from jaxspec.serving.engine import Request
-from jaxspec.serving.executor import Executor, _gather
+from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
 from tests.serving.conftest import NUM_STEPS, warm_engine
 from tests.serving.test_engine import CONFIG as ENGINE_CONFIG
@@ -56,7 +56,7 @@ def engine(pair):
 
 @pytest.fixture(scope="module")
 def greedy_engine(pair):
-    return warm_engine(pair, dataclasses.replace(CONFIG, greedy_program=True, context_buckets=()))
+    return warm_engine(pair, dataclasses.replace(CONFIG, greedy_program=True))
 
 
 def run(engine, requests, script):
@@ -199,13 +199,13 @@ def test_programs_do_not_copy_the_kept_target_states(engine):
 
 def row_draft_cache(executor: Executor, row: int):
     """Row `row`'s drafter cache, read from the executor's pool through its block table."""
-    window = _gather(executor.state, executor.pool, executor._tables, np.int32(row), 1, None)
-    return jax.tree.map(lambda x: x[0], window.draft_cache)
+    tables = np.asarray(executor.tables[row])
+    return jax.tree.map(lambda pool: np.asarray(pool)[tables].reshape(-1, *pool.shape[2:]), executor.pool.drafter)
 
 
 # ---------------------------------------------------------------------- the policy alone (plain Python)
 def segment(draft: DraftShape, rows: int = 2) -> Segment:
-    return Segment(rows, 64, draft, False, 4)
+    return Segment(rows, draft, False, 4)
 
 
 class Loop:

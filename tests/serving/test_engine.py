@@ -11,10 +11,8 @@ from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import EngineConfig, QueueFull, Request
 from tests.serving.conftest import NUM_STEPS, warm_engine
 
-# 2 slots, prefill chunks of 16 (most prompts take several), short segments; segments over the first 32 positions
-# while every busy row fits them (the short prompts and budgets), else all 128 (the test prompts have up to 27
-# tokens, so most requests cross 32). Per-row programs only, so as few programs compile as before (the server tests
-# run the static-greedy program).
+# 2 slots of 128 positions, prefill chunks of 16 (most prompts take several), short segments. Per-row programs
+# only, so as few programs compile as before (the server tests run the static-greedy program).
 CONFIG = EngineConfig(
     max_batch=2,
     max_context=128,
@@ -23,7 +21,6 @@ CONFIG = EngineConfig(
     segment_cycles=2,
     max_queue=6,
     batch_buckets=(2,),
-    context_buckets=(32,),
     greedy_program=False,
 )
 

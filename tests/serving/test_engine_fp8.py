@@ -13,7 +13,6 @@ CONFIG = EngineConfig(
     segment_cycles=2,
     max_queue=4,
     batch_buckets=(2,),
-    context_buckets=(),
     greedy_program=True,
 )
 

@@ -29,7 +29,7 @@ def servers(tmp_path_factory):
         argv = [sys.executable, "-m", "jaxspec", "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{coordinator}"]
         argv += ["--num-processes", "2", "--process-id", str(i), "serve", "--mesh", "1x8", "--port", str(port)]
         argv += ["--num-steps", "auto", "--max-batch", "2", "--batch-buckets", "2", "--max-context", "128"]
-        argv += ["--context-buckets", "128", "--prefill-chunk", "32", "--segment-cycles", "2"]
+        argv += ["--prefill-chunk", "32", "--segment-cycles", "2"]
         with open(logs / f"process{i}.log", "w") as out:
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()))
     base = f"http://127.0.0.1:{port}"

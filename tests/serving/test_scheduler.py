@@ -18,6 +18,7 @@ import pytest
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling_params import RowSpec, Sampling
 from jaxspec.serving.plan import (
+    FORMAT,
     Counters,
     PrefillChunk,
     RowAdmission,
@@ -46,7 +47,6 @@ class Shape:
     max_queue: int = 8
     greedy_program: bool = True
     buckets: tuple[int, ...] = (1, 2, 4)
-    contexts: tuple[int, ...] = (32, 64, 128)
     block: int = 8
     pool_blocks: int = 64  # every slot's full context: no preemption
     prefix_cache: bool = True
@@ -85,18 +85,22 @@ class FakeRow:
 
 class FakeExecutor:
     """Runs plans as the device does (free, admit, prefill, segment, read), on host rows; each generating row gains
-    1 to J+1 tokens per cycle. It checks what the device relies on: chunks in order, windows that cover the rows."""
+    1 to J+1 tokens per cycle. It checks what the device relies on: chunks in order, and blocks that hold every
+    position a generating row writes (the device writes each row's entries into its own blocks in place)."""
 
     Row = FakeRow
 
     def __init__(self, shape: Shape):
         self.shape, self.rows, self.plans = shape, [None] * shape.max_batch, []
+        self.owned = [0] * shape.max_batch  # each row's blocks (its table's length)
         self.cycle = 0
 
     def run(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         for row in plan.free:
             self.rows[row].done = True
+        for b in plan.blocks:
+            self.owned[b.row] = len(b.blocks)
         for a in plan.admit:
             self.rows[a.row] = self.Row(a, list(a.prompt), a.cached)
         for chunk in plan.prefill:
@@ -118,15 +122,16 @@ class FakeExecutor:
         return StepResult(plan.step, tuple(out), counters)
 
     def _segment(self, seg: Segment) -> None:
-        assert seg.rows in self.shape.buckets and seg.positions in self.shape.contexts
+        assert seg.rows in self.shape.buckets
         ahead = seg.draft.lookahead
         for _ in range(seg.cycles):
             self.cycle += 1
             for i, row in enumerate(self.rows[: seg.rows]):
                 if row is None:
                     continue
-                # every occupied row writes up to lookahead positions past its length: inside the window
-                assert len(row.tokens) + ahead <= seg.positions, (i, len(row.tokens), seg)
+                # a generating row writes up to lookahead positions past its length: inside its own blocks
+                held = min(self.owned[i] * self.shape.block, self.shape.max_context)
+                assert row.done or len(row.tokens) + ahead <= held, (i, len(row.tokens), self.owned[i], seg)
                 for _ in range(1 + (row.admission.spec.seed + self.cycle) % (seg.draft.num_steps + 1)):
                     if not row.done:
                         row.emit()
@@ -291,11 +296,11 @@ def reach(r: Request, draft: DraftShape, cycles: int, prefilling: bool) -> int:
 
 
 @pytest.mark.parametrize("draft", [CHAIN, DraftShape(2, topk=2, num_draft_tokens=6), DraftShape(0)], ids=str)
-def test_context_bucket_covers_what_every_row_can_reach(draft):
-    """With a context bucket at every size a segment's positions are exactly what its rows can reach: a generating
-    row its end plus its cycles' tokens and lookahead (capped by its budget), a prefilling row its prompt plus the
-    lookahead. The fake executor checks every cycle's writes stay inside the window."""
-    shape = Shape(max_batch=2, contexts=tuple(range(1, 129)))
+def test_blocks_cover_what_every_row_can_reach(draft):
+    """Before each segment every generating row owns the blocks of what it can reach in it: its end plus its
+    cycles' tokens and lookahead (capped by its budget). The fake executor checks every cycle's writes stay inside
+    the row's own blocks."""
+    shape = Shape(max_batch=2)
     scheduler, executor = make(shape, draft), FakeExecutor(shape)
     a, b = Request([1] * 5, 40, RowSpec(seed=5)), Request([1] * 30, 4, RowSpec(seed=2))
     scheduler.submit(a)
@@ -305,13 +310,18 @@ def test_context_bucket_covers_what_every_row_can_reach(draft):
         if len(a.tokens) > 6 and b.slot is None and not b.finished and not scheduler.queue_depth:
             scheduler.submit(b)
         plan = scheduler.schedule()
+        owned = list(executor.owned)  # each row's blocks once this plan's are in
+        for blocks in plan.blocks:
+            owned[blocks.row] = len(blocks.blocks)
+        held = lambda r, owned=owned: min(owned[r.slot] * shape.block, shape.max_context)  # noqa: E731
         want = reach(a, draft, shape.segment_cycles, False)
+        assert held(a) >= want, (held(a), want)
         if b.slot is not None:
             chunk = next((c for c in plan.prefill if c.row == b.slot), None)
             still = chunk is not None and chunk.start + shape.prefill_chunk < len(b.prompt)
-            want = max(want, reach(b, draft, shape.segment_cycles, still))
+            if not still:
+                assert held(b) >= reach(b, draft, shape.segment_cycles, False)
             seen.add("prefilling" if still else "both generating")
-        assert plan.segment.positions == want
         seen.add("capped" if want == len(a.prompt) + a.max_tokens + draft.lookahead + 1 else "growing")
         scheduler.update(executor.run(plan))
     assert seen == {"prefilling", "both generating", "capped", "growing"}
@@ -430,7 +440,7 @@ def test_plan_and_result_round_trip_through_bytes():
             RowAdmission(3, (8,) * 70, 4, RowSpec(seed=0, logprobs=True, min_new=2, ignore_eos=True), cached=64),
         ),
         prefill=(PrefillChunk(1, 0), PrefillChunk(2, 64)),
-        segment=Segment(4, 256, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
+        segment=Segment(4, DraftShape(4, topk=2, num_draft_tokens=8), False, 4),
         read=(RowRead(0, 17), RowRead(2, 70, prompt=True)),
         blocks=(RowBlocks(1, (4, 2, 9)), RowBlocks(3, ())),
     )
@@ -449,7 +459,7 @@ def test_plan_and_result_round_trip_through_bytes():
         StepResult.from_bytes(result.to_bytes()) == result
         and StepResult.from_bytes(StepResult(2).to_bytes()).rows == ()
     )
-    with pytest.raises(ValueError, match="StepPlan.from_bytes: expected kind 'StepPlan' in format 2"):
+    with pytest.raises(ValueError, match=f"StepPlan.from_bytes: expected kind 'StepPlan' in format {FORMAT}"):
         StepPlan.from_bytes(result.to_bytes())
     with pytest.raises(ValueError, match="StepPlan.from_bytes: not a serialised StepPlan"):
         StepPlan.from_bytes(b"\xff")
@@ -467,8 +477,8 @@ def test_plan_values_refuse_bad_fields_by_name():
         (lambda: RowSpec(Sampling(), [1]), "RowSpec.stop_ids: expected a tuple of token ids"),
         (lambda: RowSpec(logprobs=1), "RowSpec.logprobs: expected a bool"),
         (lambda: RowSpec(min_new=-1), "RowSpec.min_new: expected an integer >= 0"),
-        (lambda: Segment(0, 16, DraftShape(1), True, 1), "Segment.rows: expected an integer >= 1"),
-        (lambda: Segment(1, 16, 3, True, 1), "Segment.draft: expected a DraftShape"),
+        (lambda: Segment(0, DraftShape(1), True, 1), "Segment.rows: expected an integer >= 1"),
+        (lambda: Segment(1, 3, True, 1), "Segment.draft: expected a DraftShape"),
         (lambda: StepPlan(1, prefill=(PrefillChunk(0, 0), PrefillChunk(0, 8))), "StepPlan.prefill: expected each row"),
         (lambda: StepPlan(1, free=(2, 2)), "StepPlan.free: expected a tuple of distinct rows"),
         (lambda: RowAdmission(0, (1, 2), 1, cached=2), "RowAdmission.cached: expected an integer in \\[0, 1\\]"),

@@ -30,7 +30,6 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), "--num-steps", str(NUM_STEPS)]
     argv += ["--max-batch", str(SLOTS), "--batch-buckets", str(SLOTS), "--max-context", str(CONTEXT)]
-    argv += ["--context-buckets", str(CONTEXT)]  # one context: few programs to compile (the engine tests cover more)
     argv += ["--prefill-chunk", "32", "--segment-cycles", "2", "--max-queue", str(QUEUE)]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())

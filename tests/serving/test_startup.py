@@ -32,6 +32,9 @@ from jaxspec.serving.startup import (
 pytestmark = pytest.mark.skipif(startup.map_limit() is None, reason="memory maps are Linux's (/proc/self/maps)")
 
 
+EVERY_BATCH = ",".join(map(str, range(1, 33)))  # 32 batch buckets: 128 segment programs, past the limit
+
+
 def served_config(*flags: str) -> EngineConfig:
     """The EngineConfig `jaxspec serve FLAGS` builds for the bundled pair (its parser, defaults and --num-steps)."""
     parser = argparse.ArgumentParser()
@@ -56,7 +59,7 @@ def test_a_compile_maps_what_the_estimate_says(pair):
     for shape in cfg.shapes:
         for greedy in (True, False):
             before = maps_in_use()
-            engine.executor.segment(Segment(1, 256, shape, greedy, cfg.segment_cycles))
+            engine.executor.segment(Segment(1, shape, greedy, cfg.segment_cycles))
             jax.block_until_ready(engine.executor.state)
             measured[(not shape.plain, not greedy)] = maps_in_use() - before
     table = segment_maps()
@@ -70,18 +73,18 @@ def test_the_defaults_fit_half_the_default_limit():
     config = served_config()
     programs = Programs.of(config)
     assert config.adaptive and len(config.shapes) == 2
-    assert programs.count == 32 and programs.estimated_maps(SEGMENT_MAPS) <= DEFAULT_MAP_LIMIT // 2
+    assert programs.count == 16 and programs.estimated_maps(SEGMENT_MAPS) <= DEFAULT_MAP_LIMIT // 2
     assert programs.estimated_maps() <= DEFAULT_MAP_LIMIT * startup.HEADROOM - 2_000  # jax 0.12 too: it starts
 
 
 def test_a_configuration_that_cannot_start_is_refused_before_compiling():
     """What would pass the limit is refused by the estimate with a message naming the flags to change and the
     limit; and while compiling, a projection of what the programs so far really took refuses the rest."""
-    big = Programs.of(served_config("--max-batch", "64", "--max-context", "16384"))
+    big = Programs.of(served_config("--max-batch", "32", "--batch-buckets", EVERY_BATCH))
     budget = MapBudget(DEFAULT_MAP_LIMIT, 1_000)
     with pytest.raises(StartupError) as e:
         budget.check(big)
-    for words in ("--batch-buckets", "--context-buckets", "--max-batch", "--max-context", "--num-steps"):
+    for words in ("--batch-buckets", "--max-batch", "--max-context", "--num-steps"):
         assert words in str(e.value)
     assert "vm.max_map_count is 65,530" in str(e.value) and f"{big.count} segment programs" in str(e.value)
     small = Programs.of(served_config("--max-batch", "2", "--max-context", "256"))
@@ -93,7 +96,7 @@ def test_a_configuration_that_cannot_start_is_refused_before_compiling():
 
 def test_serve_refuses_at_once_naming_the_flags():
     """The command line: refused before loading the pair or compiling anything, in seconds."""
-    argv = [sys.executable, "-m", "jaxspec", "serve", "--max-batch", "64", "--max-context", "16384"]
+    argv = [sys.executable, "-m", "jaxspec", "serve", "--max-batch", "32", "--batch-buckets", EVERY_BATCH]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "vm.max_map_count" in done.stderr and "--batch-buckets" in done.stderr

@@ -20,6 +20,7 @@ one axis of query rows (T x N, token-major) so each block is two matmuls.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -28,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jaxspec.models.cache import FP8, PACKED, SCALE_BYTES, Paged
 from jaxspec.models.layers import NEG_INF
-from jaxspec.models.mla import FP8, PACKED, SCALE_BYTES
 
 Backend = Literal["tpu", "triton"]
 LANES = 128  # TPU vector lane width: the latent/RoPE split of a block must fall on a lane-tile edge
@@ -38,7 +39,7 @@ MIN_DOT = 16  # Triton's smallest dot operand dimension
 
 def _entries(ref, at: tuple, C: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """(latent [block, C], RoPE key [block, R]) of the block of cache entries `ref[*at]` in the compute dtype, loaded
-    as column ranges (powers of two for Triton); packed fp8 entries are dequantised as `mla.dequantize_entries` does
+    as column ranges (powers of two for Triton); packed fp8 entries are dequantised as `cache.dequantize_entries` does
     (value x its token's float32 scale, then rounded to the compute dtype)."""
     width = ref.shape[-1]
     Y = width - SCALE_BYTES if ref.dtype == PACKED else width
@@ -109,6 +110,40 @@ def _triton_kernel(tab_ref, live_ref, layer_ref, qpos_ref, qa_ref, qr_ref, pool_
     o_ref[b] = (acc / denom).astype(o_ref.dtype)
 
 
+def supports(backend: Backend, C: int, R: int, block: int) -> bool:
+    """Whether the `backend` lowering takes a latent of C, a RoPE key of R and pool blocks of `block` positions."""
+    pow2 = lambda n: n >= MIN_DOT and n & (n - 1) == 0  # noqa: E731
+    if backend == "tpu":
+        return C % LANES == 0 and block % 8 == 0
+    return pow2(C) and pow2(R) and pow2(block)
+
+
+def attend_in_place(
+    q_abs_BTNC: jax.Array,
+    q_rope_BTNR: jax.Array,
+    cache: Paged,
+    layer: jax.Array | int,
+    q_pos_BT: jax.Array,
+    *,
+    scale: float,
+    xla: Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """The absorbed attention output [B, T, N, C] over a paged target cache, read in place: this kernel when the
+    program is lowered for a TPU or a CUDA GPU and its shape rules hold there (`supports`), else `xla(q_abs, q_rope,
+    pool, tables, q_pos)`, the model's XLA path (chosen per lowering platform, as the grouped INT4 kernel is)."""
+    (C, R), block = (q_abs_BTNC.shape[-1], q_rope_BTNR.shape[-1]), cache.block
+    dtype = jax.eval_shape(xla, q_abs_BTNC, q_rope_BTNR, cache.pool, cache.tables, q_pos_BT).dtype
+
+    def kernel(backend: Backend):  # the fallback's dtype, so every branch returns the same type
+        return lambda *a: paged_mla_attention(*a, scale=scale, backend=backend, layer=layer).astype(dtype)
+
+    branches = {p: kernel(b) for p, b in (("tpu", "tpu"), ("cuda", "triton")) if supports(b, C, R, block)}
+    args = (q_abs_BTNC, q_rope_BTNR, cache.pool, cache.tables, q_pos_BT)
+    if not branches:
+        return xla(*args)
+    return jax.lax.platform_dependent(*args, **branches, default=xla)
+
+
 def _check(q_abs_BTNC, q_rope_BTNR, pool, tables, q_pos_BT, backend) -> None:
     """Refuse what the kernel cannot run, naming the argument and what was expected."""
     if backend not in ("tpu", "triton"):
@@ -126,12 +161,11 @@ def _check(q_abs_BTNC, q_rope_BTNR, pool, tables, q_pos_BT, backend) -> None:
     if q_pos_BT.shape != (B, T):
         raise ValueError(f"q_pos_BT: expected [{B}, {T}], got {q_pos_BT.shape}")
     block = pool.shape[2]
-    if backend == "tpu" and (C % LANES or block % 8):
+    if backend == "tpu" and not supports("tpu", C, R, block):
         raise ValueError(
             f"q_abs_BTNC / pool: the TPU lowering needs C % {LANES} == 0 and block % 8 == 0, got C {C}, block {block}"
         )
-    pow2 = lambda n: n >= MIN_DOT and n & (n - 1) == 0
-    if backend == "triton" and not (pow2(C) and pow2(R) and pow2(block)):
+    if backend == "triton" and not supports("triton", C, R, block):
         raise ValueError(
             f"q_abs_BTNC / q_rope_BTNR / pool: Triton needs C, R and block powers of two >= {MIN_DOT}, "
             f"got {C}, {R}, {block}"
