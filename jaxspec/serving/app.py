@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over an `Engine`: /v1/completions, /v1/chat/completions (both with `stream`),
 /v1/models (and /v1/models/{id}), /tokenize and /detokenize (vLLM's shapes), /version, /health and /metrics; HEAD
-wherever GET works. The request bodies are in `protocol.py`; the text of a choice is built in `text.py`.
+wherever GET works. The request bodies are in `protocol.py`; each choice's output (text, echo, logprobs) and the
+usage are accounted in `choices.py`, the text of a choice is built in `text.py`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, unknown fields,
 out-of-range parameters, fields this server does not implement (named) and prompts that do not fit the context; 404
@@ -19,16 +20,12 @@ OpenAI's shapes); `max_tokens: 0` with `echo` runs one token and drops it, retur
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import importlib.metadata
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,10 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from jaxspec.decoding.sampling_params import RowSpec
+from jaxspec.serving.choices import Choice, Run, completion, sse
 from jaxspec.serving.engine import Engine, QueueFull
-from jaxspec.serving.engine import Request as EngineRequest
-from jaxspec.serving.logprobs import chat_logprobs, completion_logprobs
 from jaxspec.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -240,26 +235,7 @@ def derive_seed(seed: int, *path: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-@dataclasses.dataclass(eq=False)
-class _Choice:
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    spec: RowSpec  # its settings (seed None: the engine draws one)
-    text: ChoiceText
-    request: EngineRequest | None = None  # the engine request running now
-    reason: str | None = None  # finish reason, once finished
-    # logprobs: the scores of every token taken (text.tokens is a prefix of those), how many of the running engine
-    # request's were taken, the echoed prompt's scores (its first token None), and what a stream has sent
-    scores: list = dataclasses.field(default_factory=list)
-    taken: int = 0
-    prefix: str | None = None  # the echoed prompt's text, once echoed
-    prompt_scores: list = dataclasses.field(default_factory=list)
-    sent: int = -1  # tokens whose scores a stream sent; -1: not even the echoed prompt's
-    offset: int = 0  # text offset of the next token a stream sends
-
-
-def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool) -> list[_Choice]:
+def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool) -> list[Choice]:
     """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context."""
     cfg, vocab = engine.config, engine.target.vocab_size
     refused = body.refusal() or _logprob_refusal(body, chat)
@@ -297,7 +273,7 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
             seed = None if body.seed is None else derive_seed(body.seed, j)
             text = ChoiceText(tokenizer, stop_ids, body.stop)
             spec = body.row_spec(seed, max(max_tokens, 1))  # max_tokens 0 (echo): one token, dropped
-            choices.append(_Choice(len(choices), list(prompt), max_tokens, spec, text))
+            choices.append(Choice(len(choices), list(prompt), max_tokens, spec, text))
     return choices
 
 
@@ -310,122 +286,15 @@ def _logprob_refusal(body: GenerateParams, chat: bool) -> tuple[str, str] | None
     return None
 
 
-class _Run:
-    """The engine requests of one HTTP request and their updates (an asyncio queue fed from the engine thread)."""
-
-    def __init__(self, engine: Engine, tokenizer, body: GenerateParams, choices: list[_Choice], chat: bool):
-        self.engine, self.tokenizer, self.body, self.choices, self.chat = engine, tokenizer, body, choices, chat
-        self.top = body.top_logprobs_count  # None: no logprobs
-        self.echo = not chat and bool(body.echo)
-        self.updates: asyncio.Queue = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-
-    def start(self) -> None:
-        try:
-            for c in self.choices:
-                self._submit(c)
-        except QueueFull as e:
-            self.cancel()
-            raise _BadRequest(str(e), status=429, code="queue_full") from None
-        except ValueError as e:
-            self.cancel()
-            raise _BadRequest(str(e), "prompt") from None
-
-    def _submit(self, c: _Choice) -> None:
-        r = EngineRequest(list(c.prompt), max(c.max_tokens, 1), c.spec, echo=self.echo and self.top is not None)
-        put = self.updates.put_nowait
-        r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
-        self.engine.submit(r)
-        c.request, c.taken = r, 0
-
-    def cancel(self) -> None:
-        for c in self.choices:
-            if c.request is not None and not c.request.finished:
-                self.engine.cancel(c.request)
-
-    def apply(self, c: _Choice, r: EngineRequest, new: list[int], reason: str | None) -> str | None:
-        """Take one engine update of choice `c`; the text delta to send, or None for a stale update."""
-        if r is not c.request or c.reason is not None:
-            return None  # from a part that a stop string ended, or after the choice finished
-        if self.top is not None:
-            c.scores.extend(r.token_logprobs[c.taken : c.taken + len(new)])
-            c.taken += len(new)
-        delta = self._echo(c, r)
-        if c.max_tokens == 0:  # echo only: the prompt (and its scores), nothing generated
-            self.engine.cancel(r, "length")
-            c.reason = "length"
-            return delta
-        delta += c.text.push(new)
-        if c.text.stopped:
-            self.engine.cancel(r, "stop")  # frees the slot at once
-            c.reason = "stop"
-        elif reason is not None:
-            delta += c.text.finish()
-            c.reason = reason
-        return delta
-
-    def _echo(self, c: _Choice, r: EngineRequest) -> str:
-        """With echo, the prompt's text (and scores) at the choice's first update; else ''."""
-        if not self.echo or c.prefix is not None:
-            return ""
-        c.prefix = self.tokenizer.decode(c.prompt)
-        if self.top is not None:
-            c.prompt_scores = [None, *(r.prompt_logprobs or [])]
-        return c.prefix
-
-    def logprobs(self, c: _Choice, stream: bool = False) -> dict[str, Any] | None:
-        """The `logprobs` object of choice `c`: all its tokens (the echoed prompt's first), or with `stream` those
-        not sent yet. None without logprobs."""
-        if self.top is None:
-            return None
-        end = len(c.text.tokens)
-        tokens, scores = c.text.tokens[max(c.sent, 0) : end], c.scores[max(c.sent, 0) : end]
-        if c.sent < 0 and c.prefix is not None:
-            tokens, scores = c.prompt + tokens, c.prompt_scores + scores
-        if stream:
-            c.sent = max(c.sent, end)
-            if not tokens:
-                return None
-        if self.chat:
-            return chat_logprobs(self.tokenizer, tokens, scores, self.top)
-        out = completion_logprobs(self.tokenizer, tokens, scores, self.top, c.offset if stream else 0)
-        if stream:
-            c.offset += sum(len(t) for t in out["tokens"])
-        return out
-
-    async def events(self, next_update: Callable) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice index, text delta, finish reason or None) until every choice has finished; cancels what is left
-        if abandoned."""
-        try:
-            left = len(self.choices)
-            while left:
-                i, r, new, reason = await next_update()
-                c = self.choices[i]
-                delta = self.apply(c, r, new, reason)
-                if delta is None or not (delta or c.reason):
-                    continue
-                yield i, delta, c.reason
-                left -= c.reason is not None
-                if c.reason == "error":
-                    return
-        finally:
-            self.cancel()
-
-    def usage(self, prompts: list[list[int]]) -> dict[str, Any]:
-        """Token counts, each prompt once whatever n is (as OpenAI), with its tokens reused from the prefix cache
-        (`prompt_tokens_details.cached_tokens`, as its first choice reused them)."""
-        done = sum(len(c.text.tokens) for c in self.choices)
-        prompt = sum(len(p) for p in prompts)
-        firsts = self.choices[:: len(self.choices) // len(prompts)]
-        cached = sum(c.request.cached_tokens for c in firsts if c.request is not None)
-        counts = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-        return counts | {"prompt_tokens_details": {"cached_tokens": cached}}
-
-
 async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):
     _check_model(body.model, model_name)
-    run = _Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat), chat)
-    run.start()
+    run = Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat), chat)
+    try:
+        run.start()
+    except QueueFull as e:
+        raise _BadRequest(str(e), status=429, code="queue_full") from None
+    except ValueError as e:
+        raise _BadRequest(str(e), "prompt") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
 
@@ -444,58 +313,12 @@ async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: l
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         events = run.events(next_update)
-        sse = _sse(events, header, chat, run, usage if include_usage else None)
-        return StreamingResponse(sse, media_type="text/event-stream")
+        sse_events = sse(events, header, chat, run, usage if include_usage else None)
+        return StreamingResponse(sse_events, media_type="text/event-stream")
     try:
         async for _, _, reason in run.events(next_update):
             if reason == "error":
                 return _error(500, "the engine failed while running this request", "server_error")
     except _Disconnected:
         return Response(status_code=499)  # nobody reads it; the requests are cancelled and their slots freed
-    return _completion(header, chat, run, usage())
-
-
-def _completion(header: dict, chat: bool, run: _Run, usage: dict) -> dict[str, Any]:
-    """The non-streaming response body (OpenAI's text_completion or chat.completion object)."""
-    out = []
-    for c in run.choices:
-        body: dict[str, Any] = {"index": c.index, "finish_reason": c.reason, "logprobs": run.logprobs(c)}
-        if chat:
-            body["message"] = {"role": "assistant", "content": c.text.text}
-        else:
-            body["text"] = (c.prefix or "") + c.text.text
-        out.append(body)
-    kind = "chat.completion" if chat else "text_completion"
-    return {**header, "object": kind, "choices": out, "usage": usage}
-
-
-async def _sse(events, header: dict, chat: bool, run: _Run, usage: Callable | None) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format; a chunk carries the logprobs of the tokens it completes. With
-    stream_options.include_usage (`usage` given), the usage comes on one extra chunk with no choices after the last
-    choice has finished, and nowhere else (as OpenAI)."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(choices, **extra) -> str:
-        return f"data: {json.dumps({**header, 'object': kind, 'choices': choices, **extra})}\n\n"
-
-    def choice(i: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
-        logprobs = None if first else run.logprobs(run.choices[i], stream=True)
-        if chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-        return {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
-
-    if chat:
-        for i in range(len(run.choices)):
-            yield event([choice(i, None, None, first=True)])
-    async for i, text, reason in events:
-        if reason == "error":
-            yield f"data: {json.dumps({'error': {'message': 'the engine failed', 'type': 'server_error'}})}\n\n"
-            return
-        if text:
-            yield event([choice(i, text, None)])
-        if reason is not None:
-            yield event([choice(i, None, reason)])
-    if usage is not None:
-        yield event([], usage=usage())
-    yield "data: [DONE]\n\n"
+    return completion(header, chat, run, usage())
