@@ -4,8 +4,11 @@ wherever GET works. The request bodies are in `protocol.py`; each choice's outpu
 usage are accounted in `choices.py`, the text of a choice is built in `text.py`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, unknown fields,
-out-of-range parameters, fields this server does not implement (named) and prompts that do not fit the context; 404
-for another model name; 429 when the admission queue is full. Text stop sequences (`stop`) are matched here on the
+out-of-range parameters, text that is not valid Unicode, fields this server does not implement (named) and prompts
+that do not fit the context (the message states the rule); 404 for another model name (checked before tokenizing);
+429 when the admission queue is full; 401, 413 and 408 from `access.py` (API keys, body size, body-read time).
+Tokenizing runs on a worker thread (`_Encoder`), and user text is encoded as text (only the chat template's markers
+are special tokens; `allow_special` opts completions prompts in). Text stop sequences (`stop`) are matched here on the
 decoded text (the engine stops on token ids): the text is cut before the match and the request's slot is freed at
 once. A client that disconnects cancels its requests, which frees their slots.
 
@@ -20,11 +23,13 @@ OpenAI's shapes); `max_tokens: 0` with `echo` runs one token and drops it, retur
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import importlib.metadata
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -33,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from jaxspec.serving.access import TENANT, AccessConfig, Guard, cache_partition
 from jaxspec.serving.choices import Choice, Run, completion, sse
 from jaxspec.serving.engine import Engine, QueueFull
 from jaxspec.serving.protocol import (
@@ -66,13 +72,23 @@ class _BadRequest(Exception):
         self.param, self.code, self.status = param, code, status
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str = "auto") -> FastAPI:
+def create_app(
+    engine: Engine,
+    tokenizer,
+    model_name: str,
+    *,
+    chat_format: str = "auto",
+    access: AccessConfig | None = None,
+    allow_special: bool = False,
+) -> FastAPI:
     """The app around a warmed-up `engine` (started and stopped with the app's lifespan).
 
     chat_format: "kimi" (the tokenizer's built-in chat template), "plain" (`role: content` lines, for vocabularies
     without chat tokens, such as the bundled pair's) or "auto" (kimi when the vocabulary has its tokens).
+    access: API keys, the prefix cache's partition by key, and the body limits (`access.py`). allow_special: a
+    completions prompt's special-token text becomes those tokens (off: it is plain text, as chat messages always are).
     """
-    chat_format = _resolve_chat_format(tokenizer, chat_format)
+    text = _Encoder(tokenizer, _resolve_chat_format(tokenizer, chat_format), allow_special)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -81,35 +97,65 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str =
             "engine started: %d slots, draft %s, chat format %s",
             engine.config.max_batch,
             engine.config.draft.label,
-            chat_format,
+            text.chat_format,
         )
         yield
         # uvicorn has drained the open connections (in-flight requests finished) before it gets here on SIGTERM.
         engine.stop()
+        text.pool.shutdown()
         log.info("engine stopped")
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)
-    app.state.engine, app.state.chat_format = engine, chat_format
+    app.state.engine, app.state.chat_format = engine, text.chat_format
+    app.add_middleware(Guard, config=access or AccessConfig())
     _add_error_handlers(app)
-    _add_info_routes(app, engine, tokenizer, model_name, chat_format)
+    _add_info_routes(app, engine, text, model_name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        _check_model(body.model, model_name)  # before any tokenizing
+        prompts = await text.run(lambda: [text.prompt(p) if isinstance(p, str) else p for p in body.prompts()])
         return await _serve(engine, tokenizer, model_name, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        prompt = tokenizer.encode(_render_chat(tokenizer, _messages(body.messages), chat_format))
+        _check_model(body.model, model_name)
+        messages = _messages(body.messages)
+        prompt = await text.run(text.chat, messages)
         return await _serve(engine, tokenizer, model_name, body, [prompt], request, chat=True)
 
     return app
 
 
-def _add_info_routes(app: FastAPI, engine: Engine, tokenizer, model_name: str, chat_format: str) -> None:
+class _Encoder:
+    """The tokenizer's work for the routes, run on one worker thread (`run`): never on the event loop, where a long
+    prompt would stall every other client; one thread, as a `tokenizers` encoder's special-token switch is not
+    thread-safe. User text is encoded as text: only the chat template's markers (and with `allow_special` a
+    completions prompt's special-token text) become special tokens."""
+
+    def __init__(self, tokenizer, chat_format: str, allow_special: bool):
+        self.tokenizer, self.chat_format, self.allow_special = tokenizer, chat_format, allow_special
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")
+
+    async def run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, allow_special=self.allow_special)
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.chat_format == "kimi":
+            return self.tokenizer.encode_chat(messages)
+        plain = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.tokenizer.encode(plain, allow_special=False)
+
+
+def _add_info_routes(app: FastAPI, engine: Engine, text: _Encoder, model_name: str) -> None:
     """/health, /metrics, /version, /v1/models[/{id}] (GET and HEAD), /tokenize and /detokenize (vLLM's shapes)."""
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "jaxspec"}
-    card["max_model_len"] = engine.config.max_context  # as vLLM: positions per request (prompt + output + drafts)
+    # as vLLM: a prompt's tokens + max_tokens up to this always fit (the prefill's chunks and drafting counted)
+    card["max_model_len"] = limit = engine.max_model_len
+    tokenizer = text.tokenizer
 
     @app.api_route("/health", methods=GET)
     async def health():
@@ -138,17 +184,17 @@ def _add_info_routes(app: FastAPI, engine: Engine, tokenizer, model_name: str, c
         if (body.prompt is None) == (body.messages is None):
             raise _BadRequest("tokenize: expected exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt)
+            tokens = await text.run(text.prompt, body.prompt)
         else:
-            tokens = tokenizer.encode(_render_chat(tokenizer, _messages(body.messages), chat_format))
-        strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": engine.config.max_context, "tokens": tokens, "token_strs": strs}
+            tokens = await text.run(text.chat, _messages(body.messages))
+        strs = await text.run(lambda: [tokenizer.decode([t]) for t in tokens]) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": limit, "tokens": tokens, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         _check_model(body.model, model_name)
         _check_ids(body.tokens, engine.target.vocab_size, "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await text.run(tokenizer.decode, body.tokens)}
 
 
 def _check_model(requested: str | None, model_name: str) -> None:
@@ -220,23 +266,21 @@ def _resolve_chat_format(tokenizer, chat_format: str) -> str:
         return "plain"
 
 
-def _render_chat(tokenizer, messages: list[dict[str, str]], chat_format: str) -> str:
-    if chat_format == "kimi":
-        return tokenizer.apply_chat_template(messages)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-
-
 def derive_seed(seed: int, *path: int) -> int:
-    """The 32-bit engine seed at `path` below a request's `seed` (choice j); the all-zero path is the seed itself, so
-    choice 0 of n samples what the same request with n = 1 does."""
+    """The 32-bit engine seed at `path` below a request's `seed` (a uint32: the protocol refuses larger ones rather
+    than wrap them) for choice j; the all-zero path is the seed itself, so choice 0 of n samples what the same request
+    with n = 1 does."""
     if not any(path):
-        return seed % 2**32
+        return seed
     digest = hashlib.blake2b("/".join(map(str, (seed, *path))).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 
-def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool) -> list[Choice]:
-    """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context."""
+def _choices(
+    engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool, salt: str | None
+) -> list[Choice]:
+    """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context; `salt`
+    partitions their prefix cache."""
     cfg, vocab = engine.config, engine.target.vocab_size
     refused = body.refusal() or _logprob_refusal(body, chat)
     if refused:
@@ -259,7 +303,7 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         if not prompt:
             raise _BadRequest(f"{where}: expected a non-empty prompt", where)
         _check_ids(prompt, vocab, where)
-        room = cfg.max_context - cfg.draft.reach(len(prompt), len(prompt))  # the most new tokens that fit
+        room = engine.room(len(prompt))  # the most new tokens that fit
         max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
         if body.min_tokens > max_tokens:
             raise _BadRequest(
@@ -272,7 +316,7 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         for j in range(body.n):
             seed = None if body.seed is None else derive_seed(body.seed, j)
             text = ChoiceText(tokenizer, stop_ids, body.stop)
-            spec = body.row_spec(seed, max(max_tokens, 1))  # max_tokens 0 (echo): one token, dropped
+            spec = body.row_spec(seed, max(max_tokens, 1), salt)  # max_tokens 0 (echo): one token, dropped
             choices.append(Choice(len(choices), list(prompt), max_tokens, spec, text))
     return choices
 
@@ -287,8 +331,8 @@ def _logprob_refusal(body: GenerateParams, chat: bool) -> tuple[str, str] | None
 
 
 async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):
-    _check_model(body.model, model_name)
-    run = Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat), chat)
+    salt = cache_partition(http.scope.get("state", {}).get(TENANT), body.cache_salt)
+    run = Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat, salt), chat)
     try:
         run.start()
     except QueueFull as e:
