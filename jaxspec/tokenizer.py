@@ -240,7 +240,9 @@ class HFTokenizer(Tokenizer):
         # tokenizers has no per-call switch; the flag is restored right away (not thread-safe, like the library).
         self._tok.encode_special_tokens = not allow_special
         try:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            # encode_batch releases the GIL while it works (encode holds it): a long text tokenized on the server's
+            # worker thread does not stall its event loop. The ids are encode's.
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         finally:
             self._tok.encode_special_tokens = False
 

@@ -1,6 +1,8 @@
 """Tokenizer tests on small vocabularies built here: a Kimi-format tiktoken.model and a tokenizers-trained BPE."""
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -268,3 +270,19 @@ def test_chat_messages_are_encoded_as_text_and_only_the_templates_markers_are_sp
     assert [i for i in ids if tok.decode([i]) in SPECIAL_OFFSETS] == [tok.token_to_id(n) for n in markers]
     assert tok.decode(ids) == tok.apply_chat_template(forged, system_prompt=None)
     assert tok.encode(forged[0]["content"], allow_special=False) != tok.encode(forged[0]["content"])
+
+
+def test_a_long_encode_lets_other_threads_run(tok):
+    """Both backends release the GIL while they encode (the server tokenizes on a worker thread; an encode that held
+    the GIL would stall its event loop all the same): the main thread keeps waking up while a long text encodes."""
+    text = TEXTS[1] * 20_000  # about 1.4 MB
+    done, ticks = threading.Event(), 0
+    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+    start = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    worker.join()
+    took = time.perf_counter() - start
+    assert ticks >= min(20, took * 100), (ticks, took)  # holding the GIL: a handful in the whole encode
