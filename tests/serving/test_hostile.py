@@ -147,6 +147,10 @@ def test_refusals_state_the_rule_and_the_advertised_limit_holds(server):
     assert "chunks of 64 positions plus one (193 tokens take 257)" in message and f"up to {LIMIT} always" in message
     fits = send(base, "/v1/completions", body(prompt=[5] * 192, max_tokens=1), AUTH)
     assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 1
+    # a NaN temperature is refused as what it is (not as "should be <= 2"); a seed past 32 bits is not wrapped
+    nan = json.dumps(body(temperature="X")).replace('"X"', "NaN")
+    assert "finite number" in send(base, "/v1/completions", nan, AUTH).json()["error"]["message"]
+    assert "4294967295" in send(base, "/v1/completions", body(seed=2**32 + 7), AUTH).json()["error"]["message"]
 
 
 def test_cache_salts_and_keys_partition_the_prefix_cache(server):
