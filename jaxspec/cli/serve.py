@@ -111,10 +111,14 @@ def _access(args: argparse.Namespace):
     """The AccessConfig of the flags (and $JAXSPEC_API_KEY); warns when the host is exposed without a key."""
     import os
 
-    from jaxspec.serving.access import AccessConfig, keys_from, warn_if_exposed
+    from jaxspec.serving.access import KEY_ENV, AccessConfig, keys_from, warn_if_exposed
 
+    keys = keys_from(args.api_key, dict(os.environ))
+    if args.prefix_cache_salt_by_key and not keys:
+        raise SystemExit(
+            f"jaxspec serve: --prefix-cache-salt-by-key partitions by API key: set --api-key or ${KEY_ENV}"
+        )
     try:
-        keys = keys_from(args.api_key, dict(os.environ))
         access = AccessConfig(keys, args.prefix_cache_salt_by_key, args.max_body_bytes, args.body_timeout)
     except ValueError as e:
         raise SystemExit(f"jaxspec serve: {e}") from None

@@ -95,3 +95,23 @@ def test_keys_come_from_flags_or_the_environment_and_an_exposed_host_warns(caplo
         assert caplog.records == []
         warn_if_exposed("0.0.0.0", AccessConfig())
     assert "without an API key" in caplog.text
+
+
+def test_the_serve_flags_build_the_access_config(monkeypatch):
+    import argparse
+
+    from jaxspec.cli.serve import _access, add_access_args
+
+    p = argparse.ArgumentParser()
+    add_access_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    flags = ["--api-key", "a", "--api-key", "b", "--prefix-cache-salt-by-key", "--max-body-bytes", "10"]
+    args = p.parse_args([*flags, "--body-timeout", "1.5"])
+    assert _access(args) == AccessConfig(("a", "b"), True, 10, 1.5) and not args.allow_special_tokens
+    monkeypatch.setenv("JAXSPEC_API_KEY", "c")
+    assert _access(p.parse_args([])).api_keys == ("c",)
+    monkeypatch.delenv("JAXSPEC_API_KEY")
+    with pytest.raises(SystemExit, match="--prefix-cache-salt-by-key partitions by API key: set --api-key"):
+        _access(p.parse_args(["--prefix-cache-salt-by-key"]))
+    with pytest.raises(SystemExit, match="body_timeout: expected a positive number of seconds"):
+        _access(p.parse_args(["--body-timeout", "0"]))
