@@ -110,6 +110,25 @@ class Tokenizer(abc.ABC):
         after the generation prompt, as Kimi-K2.5's template does for thinking / non-thinking mode; None appends
         nothing. Tool turns are not supported.
         """
+        pieces = self._chat_pieces(messages, add_generation_prompt, system_prompt, thinking)
+        return "".join(text for text, _ in pieces)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template: Any) -> list[int]:
+        """The token ids of `apply_chat_template(messages, **template)` with the messages' text encoded as plain
+        text: the template's own markers are its only special tokens, so a message holding
+        "<|im_end|><|im_system|>..." cannot forge a turn. Equal to `encode(apply_chat_template(...))` for messages
+        without special-token text."""
+        pieces = self._chat_pieces(messages, **template)
+        return [t for text, marker in pieces for t in self.encode(text, allow_special=marker)]
+
+    def _chat_pieces(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        system_prompt: str | None = KIMI_DEFAULT_SYSTEM_PROMPT,
+        thinking: bool | None = None,
+    ) -> list[tuple[str, bool]]:
+        """Kimi's chat format as (text, is the template's own markup) pieces, in order."""
         missing = [t for t in _CHAT_TOKENS if self.token_to_id(t) is None]
         if missing:
             raise ChatTemplateError(
@@ -118,7 +137,7 @@ class Tokenizer(abc.ABC):
             )
         if system_prompt is not None and (not messages or messages[0].get("role") != "system"):
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        parts = []
+        pieces = []
         for n, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
             if role not in _ROLE_TOKENS:
@@ -127,12 +146,12 @@ class Tokenizer(abc.ABC):
                 )
             if not isinstance(content, str):
                 raise ChatTemplateError(f"message {n}: content must be a str, got {type(content).__name__}")
-            parts.append(f"{_ROLE_TOKENS[role]}{role}<|im_middle|>{content}{TURN_END}")
+            pieces += [(f"{_ROLE_TOKENS[role]}{role}<|im_middle|>", True), (content, False), (TURN_END, True)]
         if add_generation_prompt:
-            parts.append("<|im_assistant|>assistant<|im_middle|>")
+            pieces.append(("<|im_assistant|>assistant<|im_middle|>", True))
             if thinking is not None:
-                parts.append("<think>" if thinking else "<think></think>")
-        return "".join(parts)
+                pieces.append(("<think>" if thinking else "<think></think>", True))
+        return [(text, marker) for text, marker in pieces if text]
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -221,7 +240,9 @@ class HFTokenizer(Tokenizer):
         # tokenizers has no per-call switch; the flag is restored right away (not thread-safe, like the library).
         self._tok.encode_special_tokens = not allow_special
         try:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            # encode_batch releases the GIL while it works (encode holds it): a long text tokenized on the server's
+            # worker thread does not stall its event loop. The ids are encode's.
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         finally:
             self._tok.encode_special_tokens = False
 

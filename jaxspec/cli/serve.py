@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_mesh_arg(p, "mesh shape 1xMODEL (default: one device)")
     add_dtype_arg(p, help=DTYPE_DEFAULT_HELP)
     add_kv_cache_dtype_arg(p)
+    add_access_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--compilation-cache",
@@ -66,6 +67,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="JAX's persistent compilation cache in DIR: a restart with the same settings loads the compiled "
         "programs instead of compiling them (start-up: docs/serving.md)",
     )
+
+
+def add_access_args(p: argparse.ArgumentParser) -> None:
+    """Who may call the server and what they may send (jaxspec/serving/access.py; docs/serving.md, Security)."""
+    from jaxspec.serving.access import KEY_ENV, AccessConfig
+
+    p.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help=f"require Authorization: Bearer KEY on /v1/*, /tokenize and /detokenize (repeat for several keys; "
+        f"default: ${KEY_ENV}, comma-separated, which keeps the keys out of ps)",
+    )
+    p.add_argument(
+        "--prefix-cache-salt-by-key",
+        action="store_true",
+        help="partition the prefix cache by API key: requests with different keys never share cached blocks",
+    )
+    default = AccessConfig()
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=default.max_body_bytes,
+        help="refuse larger request bodies with 413 (%(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=default.body_timeout,
+        metavar="SECONDS",
+        help="answer 408 and close a connection whose request body has not arrived within this time (%(default)s)",
+    )
+    p.add_argument(
+        "--allow-special-tokens",
+        action="store_true",
+        help="encode special-token text in /v1/completions prompts as those tokens (default: as plain text; chat "
+        "messages are always plain text)",
+    )
+
+
+def _access(args: argparse.Namespace):
+    """The AccessConfig of the flags (and $JAXSPEC_API_KEY); warns when the host is exposed without a key."""
+    import os
+
+    from jaxspec.serving.access import KEY_ENV, AccessConfig, keys_from, warn_if_exposed
+
+    keys = keys_from(args.api_key, dict(os.environ))
+    if args.prefix_cache_salt_by_key and not keys:
+        raise SystemExit(
+            f"jaxspec serve: --prefix-cache-salt-by-key partitions by API key: set --api-key or ${KEY_ENV}"
+        )
+    try:
+        access = AccessConfig(keys, args.prefix_cache_salt_by_key, args.max_body_bytes, args.body_timeout)
+    except ValueError as e:
+        raise SystemExit(f"jaxspec serve: {e}") from None
+    warn_if_exposed(args.host, access)
+    return access
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -168,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    access = _access(args)
     bundled = use_bundled_pair(args)
     num_steps, adaptive = _num_steps(args, bundled)
     if num_steps and not args.drafter:
@@ -195,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
         engine.stop()  # the other processes, if any, stop too
         raise SystemExit(f"jaxspec serve: {e}") from None
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)
-    app = create_app(engine, tokenizer, name, chat_format=args.chat_format)
+    app = create_app(
+        engine, tokenizer, name, chat_format=args.chat_format, access=access, allow_special=args.allow_special_tokens
+    )
     drafts = " or ".join(shape.label for shape in config.shapes)
     log.info("serving %s on http://%s:%d (draft %s)", name, args.host, args.port, drafts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)

@@ -7,10 +7,17 @@ Plain Python (no jax), so the serving scheduler can hold a request's settings an
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 MAX_STOP_IDS = 8  # per-request stop token ids (besides the model's own): the width of the loop state's stop_ids
 MAX_TOP_LOGPROBS = 20  # top alternatives kept per position when logprobs are asked for (OpenAI's limit)
+# Bounds the device's types hold: top_k is an int32, top_p a float32 whose subnormals XLA flushes to 0 (top_p 0 keeps
+# no token at all: every draw would be token 0), a seed a uint32.
+MAX_TOP_K = 2**31 - 1
+MIN_TOP_P = 2.0**-126  # float32's smallest normal number
+MAX_SEED = 2**32 - 1
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +32,16 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        # `not x >= 0` also rejects NaN.
-        if not self.temperature >= 0:
-            raise ValueError(f"Sampling.temperature: expected >= 0 (0 = greedy), got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise ValueError(f"Sampling.top_k: expected an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"Sampling.top_p: expected a value in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            raise ValueError(f"Sampling.temperature: expected >= 0 (0 = greedy) and finite, got {self.temperature}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k <= MAX_TOP_K:
+            raise ValueError(f"Sampling.top_k: expected an integer in [0, {MAX_TOP_K}] (0 = off), got {k!r}")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise ValueError(
+                f"Sampling.top_p: expected a value in (0, 1] (1 = off) and at least float32's smallest normal "
+                f"number {MIN_TOP_P}, got {self.top_p}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +72,9 @@ class RowSpec:
     logprobs: bool = False  # score the row's tokens (and, for an echo, its prompt's)
     min_new: int = 0  # stop ids are masked until the row has generated this many tokens (min_tokens, as vLLM)
     ignore_eos: bool = False  # the model's stop ids do not stop the row (its own stop ids still do)
+    # Rows with different salts never share prefix-cache blocks (vLLM's cache_salt); None: the unsalted cache. The
+    # scheduler's business only: it is not written into the loop state.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.sampling, Sampling):
@@ -72,7 +85,10 @@ class RowSpec:
         if len(ids) > MAX_STOP_IDS:
             raise ValueError(f"RowSpec.stop_ids: expected at most {MAX_STOP_IDS}, got {len(ids)}")
         if self.seed is not None:
-            _int("seed", self.seed, 0, 2**32 - 1)
+            _int("seed", self.seed, 0, MAX_SEED)
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT):
+            raise ValueError(f"RowSpec.cache_salt: expected None or 1 to {MAX_CACHE_SALT} characters, got {salt!r}")
         _int("min_new", self.min_new, 0)
         for name in ("logprobs", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):

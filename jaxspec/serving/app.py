@@ -1,10 +1,14 @@
 """The OpenAI-compatible HTTP API over an `Engine`: /v1/completions, /v1/chat/completions (both with `stream`),
 /v1/models (and /v1/models/{id}), /tokenize and /detokenize (vLLM's shapes), /version, /health and /metrics; HEAD
-wherever GET works. The request bodies are in `protocol.py`; the text of a choice is built in `text.py`.
+wherever GET works. The request bodies are in `protocol.py`; each choice's output (text, echo, logprobs) and the
+usage are accounted in `choices.py`, the text of a choice is built in `text.py`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, unknown fields,
-out-of-range parameters, fields this server does not implement (named) and prompts that do not fit the context; 404
-for another model name; 429 when the admission queue is full. Text stop sequences (`stop`) are matched here on the
+out-of-range parameters, text that is not valid Unicode, fields this server does not implement (named) and prompts
+that do not fit the context (the message states the rule); 404 for another model name (checked before tokenizing);
+429 when the admission queue is full; 401, 413 and 408 from `access.py` (API keys, body size, body-read time).
+Tokenizing runs on a worker thread (`_Encoder`), and user text is encoded as text (only the chat template's markers
+are special tokens; `allow_special` opts completions prompts in). Text stop sequences (`stop`) are matched here on the
 decoded text (the engine stops on token ids): the text is cut before the match and the request's slot is freed at
 once. A client that disconnects cancels its requests, which frees their slots.
 
@@ -19,16 +23,14 @@ OpenAI's shapes); `max_tokens: 0` with `echo` runs one token and drops it, retur
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import concurrent.futures
 import hashlib
 import importlib.metadata
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,10 +38,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from jaxspec.decoding.sampling_params import RowSpec
+from jaxspec.serving.access import TENANT, AccessConfig, Guard, cache_partition
+from jaxspec.serving.choices import Choice, Run, completion, sse
 from jaxspec.serving.engine import Engine, QueueFull
-from jaxspec.serving.engine import Request as EngineRequest
-from jaxspec.serving.logprobs import chat_logprobs, completion_logprobs
 from jaxspec.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -71,13 +72,23 @@ class _BadRequest(Exception):
         self.param, self.code, self.status = param, code, status
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str = "auto") -> FastAPI:
+def create_app(
+    engine: Engine,
+    tokenizer,
+    model_name: str,
+    *,
+    chat_format: str = "auto",
+    access: AccessConfig | None = None,
+    allow_special: bool = False,
+) -> FastAPI:
     """The app around a warmed-up `engine` (started and stopped with the app's lifespan).
 
     chat_format: "kimi" (the tokenizer's built-in chat template), "plain" (`role: content` lines, for vocabularies
     without chat tokens, such as the bundled pair's) or "auto" (kimi when the vocabulary has its tokens).
+    access: API keys, the prefix cache's partition by key, and the body limits (`access.py`). allow_special: a
+    completions prompt's special-token text becomes those tokens (off: it is plain text, as chat messages always are).
     """
-    chat_format = _resolve_chat_format(tokenizer, chat_format)
+    text = _Encoder(tokenizer, _resolve_chat_format(tokenizer, chat_format), allow_special)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,35 +97,65 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, chat_format: str =
             "engine started: %d slots, draft %s, chat format %s",
             engine.config.max_batch,
             engine.config.draft.label,
-            chat_format,
+            text.chat_format,
         )
         yield
         # uvicorn has drained the open connections (in-flight requests finished) before it gets here on SIGTERM.
         engine.stop()
+        text.pool.shutdown()
         log.info("engine stopped")
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)
-    app.state.engine, app.state.chat_format = engine, chat_format
+    app.state.engine, app.state.chat_format = engine, text.chat_format
+    app.add_middleware(Guard, config=access or AccessConfig())
     _add_error_handlers(app)
-    _add_info_routes(app, engine, tokenizer, model_name, chat_format)
+    _add_info_routes(app, engine, text, model_name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        _check_model(body.model, model_name)  # before any tokenizing
+        prompts = await text.run(lambda: [text.prompt(p) if isinstance(p, str) else p for p in body.prompts()])
         return await _serve(engine, tokenizer, model_name, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        prompt = tokenizer.encode(_render_chat(tokenizer, _messages(body.messages), chat_format))
+        _check_model(body.model, model_name)
+        messages = _messages(body.messages)
+        prompt = await text.run(text.chat, messages)
         return await _serve(engine, tokenizer, model_name, body, [prompt], request, chat=True)
 
     return app
 
 
-def _add_info_routes(app: FastAPI, engine: Engine, tokenizer, model_name: str, chat_format: str) -> None:
+class _Encoder:
+    """The tokenizer's work for the routes, run on one worker thread (`run`): never on the event loop, where a long
+    prompt would stall every other client; one thread, as a `tokenizers` encoder's special-token switch is not
+    thread-safe. User text is encoded as text: only the chat template's markers (and with `allow_special` a
+    completions prompt's special-token text) become special tokens."""
+
+    def __init__(self, tokenizer, chat_format: str, allow_special: bool):
+        self.tokenizer, self.chat_format, self.allow_special = tokenizer, chat_format, allow_special
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")
+
+    async def run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, allow_special=self.allow_special)
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.chat_format == "kimi":
+            return self.tokenizer.encode_chat(messages)
+        plain = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.tokenizer.encode(plain, allow_special=False)
+
+
+def _add_info_routes(app: FastAPI, engine: Engine, text: _Encoder, model_name: str) -> None:
     """/health, /metrics, /version, /v1/models[/{id}] (GET and HEAD), /tokenize and /detokenize (vLLM's shapes)."""
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "jaxspec"}
-    card["max_model_len"] = engine.config.max_context  # as vLLM: positions per request (prompt + output + drafts)
+    # as vLLM: a prompt's tokens + max_tokens up to this always fit (the prefill's chunks and drafting counted)
+    card["max_model_len"] = limit = engine.max_model_len
+    tokenizer = text.tokenizer
 
     @app.api_route("/health", methods=GET)
     async def health():
@@ -143,17 +184,17 @@ def _add_info_routes(app: FastAPI, engine: Engine, tokenizer, model_name: str, c
         if (body.prompt is None) == (body.messages is None):
             raise _BadRequest("tokenize: expected exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt)
+            tokens = await text.run(text.prompt, body.prompt)
         else:
-            tokens = tokenizer.encode(_render_chat(tokenizer, _messages(body.messages), chat_format))
-        strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": engine.config.max_context, "tokens": tokens, "token_strs": strs}
+            tokens = await text.run(text.chat, _messages(body.messages))
+        strs = await text.run(lambda: [tokenizer.decode([t]) for t in tokens]) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": limit, "tokens": tokens, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         _check_model(body.model, model_name)
         _check_ids(body.tokens, engine.target.vocab_size, "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await text.run(tokenizer.decode, body.tokens)}
 
 
 def _check_model(requested: str | None, model_name: str) -> None:
@@ -225,42 +266,21 @@ def _resolve_chat_format(tokenizer, chat_format: str) -> str:
         return "plain"
 
 
-def _render_chat(tokenizer, messages: list[dict[str, str]], chat_format: str) -> str:
-    if chat_format == "kimi":
-        return tokenizer.apply_chat_template(messages)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-
-
 def derive_seed(seed: int, *path: int) -> int:
-    """The 32-bit engine seed at `path` below a request's `seed` (choice j); the all-zero path is the seed itself, so
-    choice 0 of n samples what the same request with n = 1 does."""
+    """The 32-bit engine seed at `path` below a request's `seed` (a uint32: the protocol refuses larger ones rather
+    than wrap them) for choice j; the all-zero path is the seed itself, so choice 0 of n samples what the same request
+    with n = 1 does."""
     if not any(path):
-        return seed % 2**32
+        return seed
     digest = hashlib.blake2b("/".join(map(str, (seed, *path))).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 
-@dataclasses.dataclass(eq=False)
-class _Choice:
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    spec: RowSpec  # its settings (seed None: the engine draws one)
-    text: ChoiceText
-    request: EngineRequest | None = None  # the engine request running now
-    reason: str | None = None  # finish reason, once finished
-    # logprobs: the scores of every token taken (text.tokens is a prefix of those), how many of the running engine
-    # request's were taken, the echoed prompt's scores (its first token None), and what a stream has sent
-    scores: list = dataclasses.field(default_factory=list)
-    taken: int = 0
-    prefix: str | None = None  # the echoed prompt's text, once echoed
-    prompt_scores: list = dataclasses.field(default_factory=list)
-    sent: int = -1  # tokens whose scores a stream sent; -1: not even the echoed prompt's
-    offset: int = 0  # text offset of the next token a stream sends
-
-
-def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool) -> list[_Choice]:
-    """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context."""
+def _choices(
+    engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool, salt: str | None
+) -> list[Choice]:
+    """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context; `salt`
+    partitions their prefix cache."""
     cfg, vocab = engine.config, engine.target.vocab_size
     refused = body.refusal() or _logprob_refusal(body, chat)
     if refused:
@@ -283,7 +303,7 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         if not prompt:
             raise _BadRequest(f"{where}: expected a non-empty prompt", where)
         _check_ids(prompt, vocab, where)
-        room = cfg.max_context - cfg.draft.reach(len(prompt), len(prompt))  # the most new tokens that fit
+        room = engine.room(len(prompt))  # the most new tokens that fit
         max_tokens = budget if budget is not None else max(room, 1) if chat else min(16, max(room, 1))
         if body.min_tokens > max_tokens:
             raise _BadRequest(
@@ -296,8 +316,8 @@ def _choices(engine: Engine, tokenizer, body: GenerateParams, prompts: list[list
         for j in range(body.n):
             seed = None if body.seed is None else derive_seed(body.seed, j)
             text = ChoiceText(tokenizer, stop_ids, body.stop)
-            spec = body.row_spec(seed, max(max_tokens, 1))  # max_tokens 0 (echo): one token, dropped
-            choices.append(_Choice(len(choices), list(prompt), max_tokens, spec, text))
+            spec = body.row_spec(seed, max(max_tokens, 1), salt)  # max_tokens 0 (echo): one token, dropped
+            choices.append(Choice(len(choices), list(prompt), max_tokens, spec, text))
     return choices
 
 
@@ -310,122 +330,15 @@ def _logprob_refusal(body: GenerateParams, chat: bool) -> tuple[str, str] | None
     return None
 
 
-class _Run:
-    """The engine requests of one HTTP request and their updates (an asyncio queue fed from the engine thread)."""
-
-    def __init__(self, engine: Engine, tokenizer, body: GenerateParams, choices: list[_Choice], chat: bool):
-        self.engine, self.tokenizer, self.body, self.choices, self.chat = engine, tokenizer, body, choices, chat
-        self.top = body.top_logprobs_count  # None: no logprobs
-        self.echo = not chat and bool(body.echo)
-        self.updates: asyncio.Queue = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-
-    def start(self) -> None:
-        try:
-            for c in self.choices:
-                self._submit(c)
-        except QueueFull as e:
-            self.cancel()
-            raise _BadRequest(str(e), status=429, code="queue_full") from None
-        except ValueError as e:
-            self.cancel()
-            raise _BadRequest(str(e), "prompt") from None
-
-    def _submit(self, c: _Choice) -> None:
-        r = EngineRequest(list(c.prompt), max(c.max_tokens, 1), c.spec, echo=self.echo and self.top is not None)
-        put = self.updates.put_nowait
-        r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
-        self.engine.submit(r)
-        c.request, c.taken = r, 0
-
-    def cancel(self) -> None:
-        for c in self.choices:
-            if c.request is not None and not c.request.finished:
-                self.engine.cancel(c.request)
-
-    def apply(self, c: _Choice, r: EngineRequest, new: list[int], reason: str | None) -> str | None:
-        """Take one engine update of choice `c`; the text delta to send, or None for a stale update."""
-        if r is not c.request or c.reason is not None:
-            return None  # from a part that a stop string ended, or after the choice finished
-        if self.top is not None:
-            c.scores.extend(r.token_logprobs[c.taken : c.taken + len(new)])
-            c.taken += len(new)
-        delta = self._echo(c, r)
-        if c.max_tokens == 0:  # echo only: the prompt (and its scores), nothing generated
-            self.engine.cancel(r, "length")
-            c.reason = "length"
-            return delta
-        delta += c.text.push(new)
-        if c.text.stopped:
-            self.engine.cancel(r, "stop")  # frees the slot at once
-            c.reason = "stop"
-        elif reason is not None:
-            delta += c.text.finish()
-            c.reason = reason
-        return delta
-
-    def _echo(self, c: _Choice, r: EngineRequest) -> str:
-        """With echo, the prompt's text (and scores) at the choice's first update; else ''."""
-        if not self.echo or c.prefix is not None:
-            return ""
-        c.prefix = self.tokenizer.decode(c.prompt)
-        if self.top is not None:
-            c.prompt_scores = [None, *(r.prompt_logprobs or [])]
-        return c.prefix
-
-    def logprobs(self, c: _Choice, stream: bool = False) -> dict[str, Any] | None:
-        """The `logprobs` object of choice `c`: all its tokens (the echoed prompt's first), or with `stream` those
-        not sent yet. None without logprobs."""
-        if self.top is None:
-            return None
-        end = len(c.text.tokens)
-        tokens, scores = c.text.tokens[max(c.sent, 0) : end], c.scores[max(c.sent, 0) : end]
-        if c.sent < 0 and c.prefix is not None:
-            tokens, scores = c.prompt + tokens, c.prompt_scores + scores
-        if stream:
-            c.sent = max(c.sent, end)
-            if not tokens:
-                return None
-        if self.chat:
-            return chat_logprobs(self.tokenizer, tokens, scores, self.top)
-        out = completion_logprobs(self.tokenizer, tokens, scores, self.top, c.offset if stream else 0)
-        if stream:
-            c.offset += sum(len(t) for t in out["tokens"])
-        return out
-
-    async def events(self, next_update: Callable) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice index, text delta, finish reason or None) until every choice has finished; cancels what is left
-        if abandoned."""
-        try:
-            left = len(self.choices)
-            while left:
-                i, r, new, reason = await next_update()
-                c = self.choices[i]
-                delta = self.apply(c, r, new, reason)
-                if delta is None or not (delta or c.reason):
-                    continue
-                yield i, delta, c.reason
-                left -= c.reason is not None
-                if c.reason == "error":
-                    return
-        finally:
-            self.cancel()
-
-    def usage(self, prompts: list[list[int]]) -> dict[str, Any]:
-        """Token counts, each prompt once whatever n is (as OpenAI), with its tokens reused from the prefix cache
-        (`prompt_tokens_details.cached_tokens`, as its first choice reused them)."""
-        done = sum(len(c.text.tokens) for c in self.choices)
-        prompt = sum(len(p) for p in prompts)
-        firsts = self.choices[:: len(self.choices) // len(prompts)]
-        cached = sum(c.request.cached_tokens for c in firsts if c.request is not None)
-        counts = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-        return counts | {"prompt_tokens_details": {"cached_tokens": cached}}
-
-
 async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):
-    _check_model(body.model, model_name)
-    run = _Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat), chat)
-    run.start()
+    salt = cache_partition(http.scope.get("state", {}).get(TENANT), body.cache_salt)
+    run = Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat, salt), chat)
+    try:
+        run.start()
+    except QueueFull as e:
+        raise _BadRequest(str(e), status=429, code="queue_full") from None
+    except ValueError as e:
+        raise _BadRequest(str(e), "prompt") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
 
@@ -444,58 +357,12 @@ async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: l
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         events = run.events(next_update)
-        sse = _sse(events, header, chat, run, usage if include_usage else None)
-        return StreamingResponse(sse, media_type="text/event-stream")
+        sse_events = sse(events, header, chat, run, usage if include_usage else None)
+        return StreamingResponse(sse_events, media_type="text/event-stream")
     try:
         async for _, _, reason in run.events(next_update):
             if reason == "error":
                 return _error(500, "the engine failed while running this request", "server_error")
     except _Disconnected:
         return Response(status_code=499)  # nobody reads it; the requests are cancelled and their slots freed
-    return _completion(header, chat, run, usage())
-
-
-def _completion(header: dict, chat: bool, run: _Run, usage: dict) -> dict[str, Any]:
-    """The non-streaming response body (OpenAI's text_completion or chat.completion object)."""
-    out = []
-    for c in run.choices:
-        body: dict[str, Any] = {"index": c.index, "finish_reason": c.reason, "logprobs": run.logprobs(c)}
-        if chat:
-            body["message"] = {"role": "assistant", "content": c.text.text}
-        else:
-            body["text"] = (c.prefix or "") + c.text.text
-        out.append(body)
-    kind = "chat.completion" if chat else "text_completion"
-    return {**header, "object": kind, "choices": out, "usage": usage}
-
-
-async def _sse(events, header: dict, chat: bool, run: _Run, usage: Callable | None) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format; a chunk carries the logprobs of the tokens it completes. With
-    stream_options.include_usage (`usage` given), the usage comes on one extra chunk with no choices after the last
-    choice has finished, and nowhere else (as OpenAI)."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(choices, **extra) -> str:
-        return f"data: {json.dumps({**header, 'object': kind, 'choices': choices, **extra})}\n\n"
-
-    def choice(i: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
-        logprobs = None if first else run.logprobs(run.choices[i], stream=True)
-        if chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-        return {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
-
-    if chat:
-        for i in range(len(run.choices)):
-            yield event([choice(i, None, None, first=True)])
-    async for i, text, reason in events:
-        if reason == "error":
-            yield f"data: {json.dumps({'error': {'message': 'the engine failed', 'type': 'server_error'}})}\n\n"
-            return
-        if text:
-            yield event([choice(i, text, None)])
-        if reason is not None:
-            yield event([choice(i, None, reason)])
-    if usage is not None:
-        yield event([], usage=usage())
-    yield "data: [DONE]\n\n"
+    return completion(header, chat, run, usage())

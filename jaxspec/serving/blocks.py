@@ -9,8 +9,10 @@ Prefix caching (vLLM's automatic prefix caching, with EAGLE's shift): a full blo
 chain, its parent block's key, its tokens and the token AFTER it. The target's cache entry at position p depends on
 tokens 0..p, but the drafter's depends on token p + 1 too (it pairs the target state of p with the next token), so a
 block's drafter entries are reusable only when the next token matches as well (sglang-jax keys EAGLE on bigrams for
-the same reason). A block registered by a row the drafter was not fed (`PrefillChunk.drafter`: adaptive serving where
-speculation does not pay) holds the target's entries only: a row that is fed the drafter does not reuse it, and
+the same reason). A request's `cache_salt` starts its chain (vLLM's semantics): rows with different salts never share
+a block, so a prefix hit (`cached_tokens`, time to first token) tells a client nothing about other salts' prompts. A
+block registered by a row the drafter was not fed (`PrefillChunk.drafter`: adaptive serving where speculation does
+not pay) holds the target's entries only: a row that is fed the drafter does not reuse it, and
 registering the same key with the drafter's entries replaces it. A block is registered once its prefill chunk is
 planned and is never written again: every write of a row lies at or past its prompt's last position (prefill chunks
 start past the reused prefix; a cycle writes from the row's length on; a tree's compaction moves entries past the
@@ -25,12 +27,13 @@ import hashlib
 from collections.abc import Sequence
 
 
-def chain_keys(tokens: Sequence[int], block_size: int, count: int) -> list[bytes]:
+def chain_keys(tokens: Sequence[int], block_size: int, count: int, salt: str | None = None) -> list[bytes]:
     """The keys of the first `count` full blocks of `tokens` (each needs the token after it: `tokens` has at least
-    count * block_size + 1 of them)."""
+    count * block_size + 1 of them). A `salt` (a request's cache_salt) starts the chain: keys of different salts
+    never match, so their requests share no block (None: the unsalted chain)."""
     if len(tokens) < count * block_size + 1:
         raise ValueError(f"tokens: {count} blocks of {block_size} need {count * block_size + 1}, got {len(tokens)}")
-    keys, parent = [], b""
+    keys, parent = [], b"" if salt is None else hashlib.blake2b(b"salt:" + salt.encode(), digest_size=16).digest()
     for k in range(count):
         block = tokens[k * block_size : (k + 1) * block_size + 1]  # the block and the token after it
         parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block), digest_size=16).digest()
@@ -171,14 +174,21 @@ class BlockTables:
         return -(-tokens // self.pool.block_size)
 
     def admit(
-        self, row: int, prompt: Sequence[int], need: int, lookup: bool = True, drafter: bool = True
+        self,
+        row: int,
+        prompt: Sequence[int],
+        need: int,
+        lookup: bool = True,
+        drafter: bool = True,
+        salt: str | None = None,
     ) -> int | None:
         """Give `row` blocks for `need` positions, its longest cached prefix first (with `lookup`; with `drafter`,
-        the row's prefill writes the drafter's entries, and it reuses only blocks that hold them); returns how many
-        prompt positions it reuses (a multiple of the prefill chunk, at most len(prompt) - 1: the last prompt
-        position is always prefilled, for the first token), or None when the pool cannot hold it yet."""
+        the row's prefill writes the drafter's entries, and it reuses only blocks that hold them; `salt`: only
+        blocks of rows with the same salt); returns how many prompt positions it reuses (a multiple of the prefill
+        chunk, at most len(prompt) - 1: the last prompt position is always prefilled, for the first token), or None
+        when the pool cannot hold it yet."""
         bs = self.pool.block_size
-        keys = chain_keys(prompt, bs, (len(prompt) - 1) // bs) if self.caching else []
+        keys = chain_keys(prompt, bs, (len(prompt) - 1) // bs, salt) if self.caching else []
         hit = self.pool.lookup(keys, drafter) if lookup else []
         per_chunk = self.prefill_chunk // bs
         hit = hit[: len(hit) // per_chunk * per_chunk]  # prefill restarts on a chunk edge, as the cold run chunks

@@ -171,6 +171,15 @@ class Engine:
         """Why a request does not fit a slot (None if it does)."""
         return self.scheduler.check(prompt_len, max_tokens)
 
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of `prompt_len` tokens fits (0: none)."""
+        return self.scheduler.room(prompt_len)
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + max_tokens) any request fits: what /v1/models advertises."""
+        return self.scheduler.max_model_len
+
     def submit(self, request: Request) -> None:
         """Queue a request (validated: prompt ids in the vocabulary, fits the context). Raises QueueFull."""
         self.scheduler.submit(request)

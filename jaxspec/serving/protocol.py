@@ -1,18 +1,44 @@
 """The request bodies the HTTP API takes (OpenAI's and vLLM's field names), validated with pydantic.
 
 Unknown fields are a 400 naming them. OpenAI fields this server does not implement are accepted only at their
-neutral value (`UNSUPPORTED`); any other value is a 400 that names the field and says why.
+neutral value (`UNSUPPORTED`); any other value is a 400 that names the field and says why. Every value a client can
+send is bounded here to what the engine holds (top_k an int32, top_p a normal float32, a seed a uint32, text that is
+valid Unicode: a lone surrogate cannot be encoded), so no field value reaches the engine to fail there.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from jaxspec.decoding.sampling_params import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSpec, Sampling
+from jaxspec.decoding.sampling_params import (
+    MAX_CACHE_SALT,
+    MAX_SEED,
+    MAX_STOP_IDS,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    MIN_TOP_P,
+    RowSpec,
+    Sampling,
+)
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # per stop string (the text a stream holds back is as long as the longest)
+MAX_USER_CHARS = 256  # OpenAI's `user` (an end-user id; unused here but bounded)
+
+
+def unicode_text(text: str, where: str = "") -> str:
+    """`text` if it can be encoded (a lone surrogate, sent as a JSON escape such as "\\ud800", cannot), else
+    ValueError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}expected valid Unicode text, got a lone surrogate at character {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
 
 # field -> (its neutral values, why another value is refused)
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -46,12 +72,12 @@ class GenerateParams(BaseModel):
 
     SERVED: ClassVar[frozenset[str]] = frozenset()  # UNSUPPORTED fields this endpoint serves
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension (as vLLM): 0 = off
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0, allow_inf_nan=False)  # (0 would keep no token)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)  # extension (as vLLM): 0 = off
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # a uint32: a larger seed is refused, not wrapped
     stop: str | list[str] | None = Field(None, validate_default=True)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_IDS)  # extension (as vLLM)
     ignore_eos: bool = False  # extension (as vLLM): generate past the model's eos (request stop ids still stop)
@@ -61,7 +87,9 @@ class GenerateParams(BaseModel):
     min_tokens: int = Field(
         0, ge=0
     )  # as vLLM: stop ids cannot end a choice before this many tokens (at most the budget)
-    user: str | None = None
+    user: Text | None = Field(None, max_length=MAX_USER_CHARS)
+    # extension (as vLLM): requests with different salts never share prefix-cache blocks (no salt: the shared cache)
+    cache_salt: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
     # Declared so that a neutral value passes and any other is refused by name (`refusal`).
     echo: Any = None
     presence_penalty: Any = None
@@ -74,9 +102,9 @@ class GenerateParams(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"expected at most {MAX_STOP_STRINGS} non-empty strings")
+        stops = [unicode_text(s) for s in ([v] if isinstance(v, str) else (v or []))]
+        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"expected at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS}")
         return stops
 
     @property
@@ -84,13 +112,14 @@ class GenerateParams(BaseModel):
         """Alternatives per token, or None when no logprobs are asked for (each endpoint says how it asks)."""
         return None
 
-    def row_spec(self, seed: int | None, budget: int) -> RowSpec:
-        """One choice's settings: its `seed` (None: the engine draws one) and its `budget` of tokens (min_tokens is
-        capped by it)."""
+    def row_spec(self, seed: int | None, budget: int, cache_salt: str | None = None) -> RowSpec:
+        """One choice's settings: its `seed` (None: the engine draws one), its `budget` of tokens (min_tokens is
+        capped by it) and its prefix cache's salt (the request's, or one the server derives from it)."""
         sampling = Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         scored = self.top_logprobs_count is not None
         stop_ids = tuple(self.stop_token_ids)
-        return RowSpec(sampling, stop_ids, seed, scored, min(self.min_tokens, budget), self.ignore_eos)
+        min_new = min(self.min_tokens, budget)
+        return RowSpec(sampling, stop_ids, seed, scored, min_new, self.ignore_eos, cache_salt)
 
     def refusal(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this server does not implement, else None."""
@@ -113,6 +142,16 @@ class CompletionRequest(GenerateParams):
     echo: bool = False  # the prompt before the text (and its tokens' logprobs first, with logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's, and the N best alternatives
 
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("expected a prompt: a string, token ids, or a non-empty list of them")
+        for text in [v] if isinstance(v, str) else v:
+            if isinstance(text, str):
+                unicode_text(text)
+        return v
+
     @property
     def top_logprobs_count(self) -> int | None:
         """Alternatives per token, or None when no logprobs are asked for."""
@@ -130,7 +169,12 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]]
-    name: str | None = None
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v):
+        return unicode_text(v) if isinstance(v, str) else v
 
     def text(self, where: str) -> str:
         """The content as text; content parts must be `{"type": "text", "text": ...}` (`where` names the message
@@ -146,7 +190,10 @@ class Message(BaseModel):
                     f"{where}.content.{i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                     f"got a part of type {kind!r}" + (" with extra keys" if kind == "text" else ""),
                 )
-            texts.append(part["text"])
+            try:
+                texts.append(unicode_text(part["text"], f"{where}.content.{i}.text: "))
+            except ValueError as e:
+                raise FieldError(f"{where}.content.{i}.text", str(e)) from None
         return "".join(texts)
 
 
@@ -177,13 +224,13 @@ class TokenizeRequest(BaseModel):
     renders them)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[Message] | None = None
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]

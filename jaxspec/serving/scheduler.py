@@ -127,22 +127,61 @@ class Scheduler:
 
     # ------------------------------------------------------------------ public, thread-safe
     def check(self, prompt_len: int, max_tokens: int) -> str | None:
-        """Why a request does not fit a slot (None if it does)."""
-        cfg, ahead = self.config, self.draft.lookahead
-        need = self.draft.reach(prompt_len, prompt_len + max_tokens)
-        # A preempted request resumes by prefilling its prompt and its tokens so far (all but the last, at most).
+        """Why a request does not fit a slot (None if it does), stating the rule that refuses it."""
+        room = self.room(prompt_len)
+        if max_tokens <= room:
+            return None
+        cfg, cap, drafting = self.config, self._cap, self._drafting
+        where = f"the context of {cfg.max_context} positions per slot"
+        if cap < cfg.max_context:
+            where = f"the cache pool's {cap} positions (kv-cache-tokens)"
+        chunk = cfg.prefill_chunk
         resumed = prompt_len + (max_tokens - 1 if self._preemptible else 0)
-        chunked = -(-resumed // cfg.prefill_chunk) * cfg.prefill_chunk + 1
-        if max(need, chunked) > cfg.max_context:
-            return (
-                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} (+ {ahead + 1} for drafting) "
-                f"exceeds the context of {cfg.max_context} positions per slot"
-            )
-        if self.tables.blocks_for(max(need, chunked)) > cfg.pool_blocks:
-            return (
-                f"prompt + max_tokens exceed the cache pool's {cfg.pool_blocks * cfg.block} positions (kv-cache-tokens)"
-            )
-        return None
+        rule = (
+            f"a prompt{' with the tokens of a preempted request' if self._preemptible else ''} is prefilled in whole "
+            f"chunks of {chunk} positions plus one ({resumed} tokens take {-(-resumed // chunk) * chunk + 1}), and "
+            f"{drafting} positions are kept for drafting; prompt + max_tokens up to {self.max_model_len} always fit "
+            f"(max_model_len in /v1/models)"
+        )
+        if room == 0:
+            return f"prompt of {prompt_len} tokens exceeds {where}: {rule}"
+        return (
+            f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds {where}: this prompt leaves room for "
+            f"at most {room} new tokens ({rule})"
+        )
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a request with a prompt of `prompt_len` tokens fits (0: the prompt does not fit): its
+        reach (drafting included) within the context, and its prefill, whole chunks plus one position, too (a
+        preempted request resumes by prefilling its prompt and its tokens so far but the last)."""
+        chunked = self._longest_prefill
+        if prompt_len > chunked:
+            return 0
+        room = self._cap - self._drafting - prompt_len
+        if self._preemptible:
+            room = min(room, chunked - prompt_len + 1)
+        return max(room, 0)
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + max_tokens) any request fits, whatever its split (`room`)."""
+        return min(self._cap - self._drafting, self._longest_prefill + 1)
+
+    @property
+    def _cap(self) -> int:
+        """Positions one row may reach: the context, or the cache pool's when smaller."""
+        return min(self.config.max_context, self.config.pool_blocks * self.config.block)
+
+    @property
+    def _drafting(self) -> int:
+        """Positions a row reaches past its budget (the deepest draft's lookahead, and one)."""
+        return self.draft.reach(1, 1) - 1
+
+    @property
+    def _longest_prefill(self) -> int:
+        """The most tokens a prefill takes: its whole chunks and one more position fit the row's reach."""
+        chunk = self.config.prefill_chunk
+        return (self._cap - 1) // chunk * chunk
 
     def submit(self, request: Request) -> None:
         """Queue a request (validated: prompt ids in the vocabulary, fits the context). Raises QueueFull."""
@@ -290,7 +329,8 @@ class Scheduler:
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
             drafter = self.policy.feeds_drafter()
             reach = self._next_reach(request)
-            cached = self.tables.admit(row, prompt, reach, lookup=not request.echo, drafter=drafter)
+            salt = request.spec.cache_salt
+            cached = self.tables.admit(row, prompt, reach, lookup=not request.echo, drafter=drafter, salt=salt)
             if cached is None:
                 break
             with self._lock:

@@ -246,7 +246,9 @@ def test_temperature_scales_logits():
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"),
-     ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k")],
+     ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
+     # bounds of the device's types: an int32 top_k, a top_p float32 flushes to 0, an infinite temperature
+     ({"top_k": 2**31}, "top_k"), ({"top_p": 1e-39}, "top_p"), ({"temperature": float("inf")}, "temperature")],
 )  # fmt: skip
 def test_bad_sampling_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"Sampling.{field}: expected .*, got {list(kwargs.values())[0]}"):

@@ -1,7 +1,11 @@
 """Shared by the serving tests: the bundled pair (loaded once) and single-request `jaxspec.generate` references."""
 
+import contextlib
 import functools
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -76,3 +80,22 @@ def wait_healthy(base: str, procs: list, logs: list, timeout: float = 600) -> No
             pass
         assert time.monotonic() < deadline, "not ready:\n" + "\n".join(log.read_text()[-3000:] for log in logs)
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running_server(tmp_path_factory, flags: list[str], env: dict[str, str] | None = None):
+    """`jaxspec serve FLAGS` (uvicorn in a subprocess on a free port) until it answers /health; yields (process,
+    base url, log path) and kills it afterwards if it is still running."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, [proc], [log])
+        yield proc, base, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -90,6 +90,20 @@ def test_tables_reuse_whole_prefill_chunks_and_register_blocks_once_prefilled():
         BlockTables(BlockPool(4, 4), prefill_chunk=6)
 
 
+def test_rows_with_different_cache_salts_share_no_block():
+    """vLLM's cache_salt: the salt starts the chain, so the same prompt under another salt (or none) finds nothing
+    cached, and under the same salt finds what that salt cached."""
+    ids = list(range(1, 20))
+    plain, a, b = chain_keys(ids, 4, 4), chain_keys(ids, 4, 4, "a"), chain_keys(ids, 4, 4, "b")
+    assert not {*plain} & {*a} and not {*a} & {*b} and chain_keys(ids, 4, 4, "a") == a
+    tables = BlockTables(BlockPool(64, 4), prefill_chunk=8)
+    prompt = list(range(1, 30))
+    assert tables.admit(0, prompt, 40, salt="a") == 0
+    tables.prefilled(0, 32)
+    assert tables.admit(1, prompt, 40, salt="b") == 0 and tables.admit(2, prompt, 40) == 0
+    assert tables.admit(3, prompt, 40, salt="a") == 24
+
+
 # ---------------------------------------------------------------------- the scheduler on a pool-keeping fake device
 @dataclasses.dataclass
 class PoolRow(FakeRow):

@@ -238,6 +238,26 @@ def test_queue_limit_and_bad_requests_name_the_field():
     assert make(Shape(max_context=64, prefill_chunk=32)).check(33, 1) is not None  # 2 chunks + 1 > 64
 
 
+@pytest.mark.parametrize("pool_blocks", [64, 20], ids=["whole-context pool", "preemptible pool"])
+def test_a_refusal_states_the_rule_applied_and_max_model_len_always_fits(pool_blocks):
+    """`check` refuses exactly what does not fit (max_tokens beyond `room`); every prompt + max_tokens up to
+    `max_model_len` fits whatever the split; a refusal's message states the chunk rounding that refused it."""
+    scheduler = make(Shape(max_context=128, prefill_chunk=32, block=8, pool_blocks=pool_blocks))
+    cap = min(128, pool_blocks * 8)
+    limit = scheduler.max_model_len
+    assert limit == min(cap - 4, (cap - 1) // 32 * 32 + 1)  # lookahead 3 + 1 for drafting; whole chunks + 1
+    for prompt_len in range(1, cap + 2):
+        room = scheduler.room(prompt_len)
+        for max_tokens in range(1, cap + 2 - prompt_len):
+            fits = scheduler.check(prompt_len, max_tokens) is None
+            assert fits == (max_tokens <= room), (prompt_len, max_tokens)
+            assert fits or prompt_len + max_tokens > limit, (prompt_len, max_tokens)
+    # a prompt that passes "prompt + max_tokens + drafting <= context" and is refused by the prefill's chunks
+    problem = make(Shape(max_context=128, prefill_chunk=32, block=8)).check(97, 1)
+    assert problem.startswith("prompt of 97 tokens exceeds the context of 128 positions per slot")
+    assert "chunks of 32 positions plus one (97 tokens take 129)" in problem and "up to 97 always fit" in problem
+
+
 @pytest.mark.parametrize("when", ["queued", "prefilling", "running"])
 def test_cancel_frees_the_slot_at_once(when):
     scheduler, executor = make(Shape(max_batch=1)), FakeExecutor(Shape(max_batch=1))
@@ -477,6 +497,8 @@ def test_plan_values_refuse_bad_fields_by_name():
         (lambda: RowSpec(Sampling(), [1]), "RowSpec.stop_ids: expected a tuple of token ids"),
         (lambda: RowSpec(logprobs=1), "RowSpec.logprobs: expected a bool"),
         (lambda: RowSpec(min_new=-1), "RowSpec.min_new: expected an integer >= 0"),
+        (lambda: RowSpec(cache_salt=""), "RowSpec.cache_salt: expected None or 1 to 256 characters"),
+        (lambda: RowSpec(Sampling(top_k=2**31)), "Sampling.top_k: expected an integer in \\[0, 2147483647\\]"),
         (lambda: Segment(0, DraftShape(1), True, 1), "Segment.rows: expected an integer >= 1"),
         (lambda: Segment(1, 3, True, 1), "Segment.draft: expected a DraftShape"),
         (lambda: StepPlan(1, prefill=(PrefillChunk(0, 0), PrefillChunk(0, 8))), "StepPlan.prefill: expected each row"),

@@ -5,18 +5,15 @@ disconnects, overload and SIGTERM."""
 import concurrent.futures
 import importlib.metadata
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import NUM_STEPS, free_port, wait_healthy
+from tests.serving.conftest import NUM_STEPS, running_server
 from tests.serving.test_text import expected
 
 MODEL = "kimi-py-tiny"
@@ -26,19 +23,11 @@ CONTEXT = 1024  # room for a request that runs for seconds (the disconnect test)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), "--num-steps", str(NUM_STEPS)]
-    argv += ["--max-batch", str(SLOTS), "--batch-buckets", str(SLOTS), "--max-context", str(CONTEXT)]
-    argv += ["--prefill-chunk", "32", "--segment-cycles", "2", "--max-queue", str(QUEUE)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
-    base = f"http://127.0.0.1:{port}"
-    wait_healthy(base, [proc], [log])
-    yield proc, base, log
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    flags = ["--num-steps", str(NUM_STEPS), "--max-batch", str(SLOTS), "--batch-buckets", str(SLOTS)]
+    flags += ["--max-context", str(CONTEXT)]
+    flags += ["--prefill-chunk", "32", "--segment-cycles", "2", "--max-queue", str(QUEUE)]
+    with running_server(tmp_path_factory, flags) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +335,11 @@ def test_endpoints_models_tokenize_version_and_head(client, server, pair):
     text = "def parse(path):"
     body = {"model": MODEL, "prompt": text, "return_token_strs": True}
     r = httpx.post(base + "/tokenize", json=body).json()
-    assert r["tokens"] == tokenizer.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == CONTEXT
+    assert r["tokens"] == tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    # what always fits: prompts are prefilled in whole chunks of 32 and one position more (992 + 1 < 1024 - 4)
+    assert (
+        r["max_model_len"] == (CONTEXT - 1) // 32 * 32 + 1 == client.models.retrieve(MODEL).model_extra["max_model_len"]
+    )
     assert "".join(r["token_strs"]) == text
     chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "import os"}]}).json()
     assert chat["tokens"] == tokenizer.encode("user: import os\nassistant: ") and chat["token_strs"] is None
