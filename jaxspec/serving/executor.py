@@ -198,12 +198,12 @@ class Executor:
 
     def _run_program(self, prefill, program: LoopConfig | None = None, window=None, fix=False, cycles=0) -> None:
         """`_prefill_and_run`: the `prefill` chunks, then (with a `program`) `cycles` cycles over `window`."""
-        chunks_N3 = np.zeros((self.max_batch, 3), np.int32)  # (row, start, drafter) of each; padding never runs
-        chunks_N3[: len(prefill)] = np.reshape([(c.row, c.start, c.drafter) for c in prefill], (-1, 3))
+        chunks = np.zeros((self.max_batch, 3), np.int32)  # (row, start, drafter) of each; padding never runs
+        chunks[: len(prefill)] = np.reshape([(c.row, c.start, c.drafter) for c in prefill], (-1, 3))
         programs = self.loop, self.per_row, program, window
         runs = np.int32(len(prefill)), np.bool_(fix), np.int32(cycles)
         self.state, self.pool = self._program(
-            *programs, self._params(), self.state, self.pool, self._tables, chunks_N3, *runs
+            *programs, self._params(), self.state, self.pool, self._tables, chunks, *runs
         )
 
     def counters(self) -> Counters:
@@ -256,14 +256,14 @@ def _gather(
     pool through the rows' block tables (the drafter's only with `drafter`; else None)."""
     window = state.window(rows, positions, start)
     block = pool.target.shape[2]
-    blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
-    R, K = blocks_RK.shape
+    blocks = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
+    per_row = blocks.shape[1]
 
-    def read(cache, axis):  # [.., N, block, ..] -> [.., R, K * block, ..], the rows sharded as the blocks were
+    def read(cache, axis):  # [.., blocks, block, ..] -> [.., B, per_row * block, ..], rows sharded as blocks were
         spec = _spec(cache)
         out = _sharding(cache, (*spec[: axis + 1], None, *spec[axis + 1 :]))
-        x = cache.at[(slice(None),) * axis + (blocks_RK,)].get(out_sharding=out)
-        return x.reshape(x.shape[:axis] + (R, K * block) + x.shape[axis + 3 :])
+        x = cache.at[(slice(None),) * axis + (blocks,)].get(out_sharding=out)
+        return x.reshape(x.shape[:axis] + (rows, per_row * block) + x.shape[axis + 3 :])
 
     drafts = jax.tree.map(lambda c: read(c, 0), pool.drafter) if drafter else None
     return window.replace(target_cache=read(pool.target, 1), draft_cache=drafts)
@@ -275,14 +275,14 @@ def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) 
     through the rows' block tables (positions a row owns no block for go to the null block; a window without the
     drafter's cache leaves the pool's as it is)."""
     block = pool.target.shape[2]
-    R, P = part.tokens_BS.shape
-    blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, R)[:, : P // block]
+    B, S = part.tokens_BS.shape
+    blocks = jax.lax.dynamic_slice_in_dim(tables, start, B)[:, : S // block]  # [B, per row]
 
-    def write(cache, window, axis):  # window [.., R, P, ..] -> its blocks of the pool
-        x = window.reshape(window.shape[:axis] + (R, P // block, block) + window.shape[axis + 2 :])
-        spec = _spec(cache)  # the indexed blocks [R, K] replicated, the other axes sharded as the pool's
+    def write(cache, window, axis):  # window [.., B, S, ..] -> its blocks of the pool
+        x = window.reshape(window.shape[:axis] + (B, S // block, block) + window.shape[axis + 2 :])
+        spec = _spec(cache)  # the indexed blocks [B, per row] replicated, the other axes sharded as the pool's
         x = jax.sharding.reshard(x, _sharding(cache, (*spec[:axis], None, None, *spec[axis + 1 :])))
-        return cache.at[(slice(None),) * axis + (blocks_RK,)].set(x, out_sharding=jax.typeof(cache).sharding)
+        return cache.at[(slice(None),) * axis + (blocks,)].set(x, out_sharding=jax.typeof(cache).sharding)
 
     target = write(pool.target, part.target_cache, 1)
     drafter = pool.drafter
@@ -292,8 +292,8 @@ def _scatter(state: LoopState, pool: CachePool, tables, part: LoopState, start) 
     return state, CachePool(target, drafter)
 
 
-def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks_N3, count, fix, cycles):
-    """One segment's program: the prefill chunks `chunks_N3[:count]` ((row, start, drafter) each, in order; the
+def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks, count, fix, cycles):
+    """One segment's program: the prefill chunks `chunks[:count]` ((row, start, drafter) each, in order; the
     loop's `prefill_slot` under config `prefill`, each row gathered over every position; on a state with a lazy
     drafter, the drafter runs over the chunk or, with `drafter` 0, over the prompt's last position only), then
     `cycles` cycles of `cfg` over the window (rows, positions, with the drafter's cache or not: a plain segment
@@ -309,8 +309,8 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
 
     def chunk(i, carry):
         state, pool = carry
-        row, start = chunks_N3[i, 0], chunks_N3[i, 1]
-        feed = chunks_N3[i, 2] > 0 if state.drafted_B is not None else None  # a fixed shape always feeds it
+        row, start = chunks[i, 0], chunks[i, 1]
+        feed = chunks[i, 2] > 0 if state.drafted_B is not None else None  # a fixed shape always feeds it
         part = _gather(state, pool, tables, row, 1, None)
         part = loop.prefill_slot(prefill, *params, part, jnp.int32(0), start, feed)
         return _scatter(state, pool, tables, part, row)
