@@ -1,53 +1,97 @@
-"""Speculative vs plain decoding in one run, on the same weights: tokens/s for k = 0 (plain) and k = 1..K, with the
-acceptance statistics. Prints a table and writes JSON.
-
-    python benchmarks/spec_vs_plain.py --model TARGET_DIR --drafter DRAFTER_DIR [--tokenizer DIR] [--prompts FILE]
-    python benchmarks/spec_vs_plain.py --preset tiny            # random weights + random drafter: machinery only
-
-Every configuration is run once to compile (not timed) and then timed over --repeats runs (median). The ratio
-`speedup` is measured tokens/s over plain decoding's tokens/s in the same process.
+"""Speculative vs plain decoding through `generate`, in one process on the same weights: three measurements.
+    python benchmarks/spec_vs_plain.py                    # --measure sweep: tokens/s of k = 0 (plain) .. --max-k
+    python benchmarks/spec_vs_plain.py --measure pair     # k = --num-steps vs plain on held-out prompts, interleaved
+    python benchmarks/spec_vs_plain.py --measure length   # fixed and per-token cost of k = 0 and k = --num-steps
+The pair: --model and --drafter (checkpoint directories), else --pair: "random" (--preset's random target and a random
+drafter: the machinery only) or "bundled" (the bundled trained pair). Each measurement's default pair and output:
+- sweep (pair random, results/spec_vs_plain.json): every k runs once to compile (not timed), then --repeats runs
+  (median seconds); `speedup` is its tokens/s over plain decoding's, with the acceptance statistics.
+- pair (pair bundled, results/bundled_pair.json; greedy, batch 1, --prompts held-out prompts): every prompt is first
+  run once in both modes (compiling every prompt-length bucket), then --repeats timed passes interleave speculative
+  and plain per prompt, so drift in machine speed hits both alike. Reported: mean accepted length (tokens per cycle
+  incl. the bonus token, over all prompts), acceptance per draft position, tokens/s of each mode (total new tokens /
+  total seconds) and their ratio (of the median pass).
+- length (pair bundled, results/marginal_cost.json; one held-out prompt, batch 1): `generate` at each of --lengths
+  new tokens (compiled first; median of --repeats) for k = 0 and k = --num-steps, fitted as time = fixed +
+  per-token x tokens (least squares). The marginal speedup (plain per-token / speculative per-token) is what long
+  generations approach; the fixed part is per call.
+Until this script took them over, pair and length were benchmarks/bundled_pair.py and marginal_cost.py: the result
+files they wrote record those commands (`--measure pair` and `--measure length` measure the same way).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+
+import numpy as np
+
+from jaxspec.decoding import DraftShape
+
+RESULTS = Path("benchmarks/results")
+DEFAULTS = {  # measurement -> (pair, output, --max-new-tokens, --repeats)
+    "sweep": ("random", RESULTS / "spec_vs_plain.json", 64, 3),
+    "pair": ("bundled", RESULTS / "bundled_pair.json", 96, 2),
+    "length": ("bundled", RESULTS / "marginal_cost.json", None, 3),
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--measure", choices=list(DEFAULTS), default="sweep")
+    p.add_argument("--pair", choices=["random", "bundled"], help="default: the measurement's (above)")
     p.add_argument("--model")
-    p.add_argument("--preset", default="tiny")
     p.add_argument("--drafter")
+    p.add_argument("--preset", default="tiny", help="the random pair's config")
     p.add_argument("--tokenizer")
-    p.add_argument("--prompts", help="text file, one prompt per line (text needs a tokenizer; else ids 'a,b,c')")
-    p.add_argument("--max-k", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", help="sweep: a text file, one prompt per line (ids 'a,b,c' without a tokenizer); "
+                   "pair: how many held-out prompts (at most 16; default 16)")  # fmt: skip
+    p.add_argument("--max-k", type=int, default=6, help="sweep: the deepest chain")
+    p.add_argument("--num-steps", type=int, default=3, help="pair, length: the chain timed against plain decoding")
+    p.add_argument("--max-new-tokens", type=int, help="sweep: 64, pair: 96")
+    p.add_argument("--lengths", default="16,96,384", help="length: new tokens per timed call")
+    p.add_argument("--repeats", type=int, help="sweep: 3 (median), pair: 2 passes (the median ratio), length: 3")
     p.add_argument("--mesh", default=None)
     p.add_argument("--cpu-devices", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--output", default="benchmarks/results/spec_vs_plain.json")
+    p.add_argument("--output", type=Path, help="default: the measurement's (above)")
     args = p.parse_args()
+    pair, output, max_new_tokens, repeats = DEFAULTS[args.measure]
+    args.pair, args.output = args.pair or pair, args.output or output
+    args.max_new_tokens, args.repeats = args.max_new_tokens or max_new_tokens, args.repeats or repeats
     if args.cpu_devices:
         from sharding.cpu import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
-    import jax
+    target, drafter, tokenizer = load_pair(args)
+    measure = {"sweep": measure_sweep, "pair": measure_pair, "length": measure_length}[args.measure]
+    record = {"command": " ".join(["python benchmarks/spec_vs_plain.py", *sys.argv[1:]])}
+    record |= measure(args, target, drafter, tokenizer)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+def load_pair(args):
+    """(target, drafter, tokenizer or None): the checkpoints named, else the bundled or a random pair."""
     import jax.numpy as jnp
 
-    from jaxspec import KimiConfig, Target, generate, load_target
+    from jaxspec import KimiConfig, Target, bundled, load_target
     from jaxspec.io import load_drafter_or_random
     from sharding.mesh import make_mesh
 
+    if not args.model and args.pair == "bundled":
+        return bundled.load_pair()
     mesh, dtype = make_mesh(args.mesh) if args.mesh else None, jnp.dtype(args.dtype)
     if args.model:
-        target = load_target(args.model, mesh=mesh, dtype=dtype)
         if not args.drafter:
             raise SystemExit("--model needs --drafter")
+        target = load_target(args.model, mesh=mesh, dtype=dtype)
     else:
         target = Target.random(KimiConfig.preset(args.preset), mesh=mesh, dtype=dtype)
     drafter = load_drafter_or_random(args.drafter if args.model else None, target)  # in the target's dtype
@@ -59,38 +103,41 @@ def main() -> None:
             tokenizer = load_tokenizer(args.tokenizer or args.model)
         except FileNotFoundError:
             tokenizer = None
+    return target, drafter, tokenizer
+
+
+def run(target, drafter, prompts, k: int, max_new_tokens: int, tokenizer=None):
+    """One `generate` call drafting a chain of k (plain decoding, without the drafter, for k = 0)."""
+    from jaxspec import generate
+
+    kwargs = dict(draft=DraftShape(k), max_new_tokens=max_new_tokens, tokenizer=tokenizer)
+    return generate(target, drafter if k else None, prompts, **kwargs)
+
+
+def machine() -> dict:
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    return {"platform": jax.devices()[0].platform, "cpu": cpu, "jax": jax.__version__}
+
+
+def measure_sweep(args, target, drafter, tokenizer) -> dict:
     if args.prompts:
         lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         prompts = lines if tokenizer else [[int(t) for t in ln.split(",")] for ln in lines]
     else:
         prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46]]
-
     rows = []
     for k in range(args.max_k + 1):
-        run = lambda k=k: generate(
-            target,
-            drafter if k else None,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            num_steps=k,
-            tokenizer=tokenizer,
-        )
-        run()  # compile
-        results = [run() for _ in range(args.repeats)]
+        call = lambda k=k: run(target, drafter, prompts, k, args.max_new_tokens, tokenizer)
+        call()  # compile
+        results = [call() for _ in range(args.repeats)]
         seconds = statistics.median(r.stats["seconds"] for r in results)
         s = results[0].stats
         rows.append(
-            {
-                "k": k,
-                "new_tokens": s["new_tokens"],
-                "cycles": s["cycles"],
-                "seconds": seconds,
-                "tokens_per_second": s["new_tokens"] / seconds,
-                "mean_accepted_length": s["mean_accepted_length"],
-                "reached": s["reached"],
-                "accepted": s["accepted"],
-                "acceptance_rate": s["acceptance_rate"],
-            }
+            {"k": k, "new_tokens": s["new_tokens"], "cycles": s["cycles"], "seconds": seconds}
+            | {"tokens_per_second": s["new_tokens"] / seconds, "mean_accepted_length": s["mean_accepted_length"]}
+            | {"reached": s["reached"], "accepted": s["accepted"], "acceptance_rate": s["acceptance_rate"]}
         )
     base = rows[0]["tokens_per_second"]
     for r in rows:
@@ -102,21 +149,94 @@ def main() -> None:
             f"{r['k']:>2} | {r['tokens_per_second']:8.1f} | {r['speedup']:7.2f} | {r['cycles']:>6} | "
             f"{r['mean_accepted_length']:12.2f} | {acc}"
         )
-    out = {
-        "target": args.model or f"preset {args.preset} (random)",
-        "drafter": args.drafter or "random",
+    return {
+        "target": args.model or (f"preset {args.preset} (random)" if args.pair == "random" else "bundled"),
+        "drafter": args.drafter or ("random" if args.pair == "random" else "bundled"),
         "mesh": dict(target.mesh.shape),
-        "platform": jax.devices()[0].platform,
-        "jax": jax.__version__,
+        **machine(),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "rows": rows,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.output}")
+
+
+def measure_pair(args, target, drafter, tokenizer) -> dict:
+    from jaxspec import bundled
+
+    prompts = bundled.prompts()[: int(args.prompts or 16)]
+    call = lambda prompt, k: run(target, drafter, [prompt], k, args.max_new_tokens, tokenizer).stats
+    for prompt in prompts:  # compile every bucket in both modes
+        call(prompt, args.num_steps), call(prompt, 0)
+    passes = []
+    for _ in range(args.repeats):
+        spec, plain = [], []
+        for prompt in prompts:
+            spec.append(call(prompt, args.num_steps))
+            plain.append(call(prompt, 0))
+        passes.append((spec, plain))
+
+    def rate(stats) -> float:
+        return sum(s["new_tokens"] for s in stats) / sum(s["seconds"] for s in stats)
+
+    ratios = [rate(spec) / rate(plain) for spec, plain in passes]
+    spec, plain = passes[ratios.index(statistics.median_low(ratios))]
+    cycles = sum(s["cycles"] for s in spec)
+    reached = [sum(col) for col in zip(*(s["reached"] for s in spec), strict=True)]
+    accepted = [sum(col) for col in zip(*(s["accepted"] for s in spec), strict=True)]
+    record = {
+        "num_steps": args.num_steps,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "batch": 1,
+        "temperature": 0.0,
+        "new_tokens": sum(s["new_tokens"] for s in spec),
+        "cycles": cycles,
+        # Tokens committed per cycle (accepted drafts + the bonus token), over every cycle of every prompt.
+        "mean_accepted_length": sum(s["new_tokens"] for s in spec) / cycles,
+        "acceptance_by_position": [a / max(r, 1) for a, r in zip(accepted, reached, strict=True)],
+        "speculative_tok_s": rate(spec),
+        "plain_tok_s": rate(plain),
+        "speedup": rate(spec) / rate(plain),
+        "speedup_per_pass": ratios,
+    } | machine()
+    print(f"held-out prompts: {len(prompts)}, k={args.num_steps}, greedy, batch 1, {args.max_new_tokens} new tokens")
+    print(f"mean accepted length (incl. bonus): {record['mean_accepted_length']:.2f}")
+    print("acceptance by draft position: " + ", ".join(f"{a:.2f}" for a in record["acceptance_by_position"]))
+    print(
+        f"speculative {record['speculative_tok_s']:.1f} tok/s, plain {record['plain_tok_s']:.1f} tok/s: "
+        f"speedup {record['speedup']:.2f}x (passes: {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    return record
+
+
+def measure_length(args, target, drafter, tokenizer) -> dict:
+    from jaxspec import bundled
+
+    prompt = tokenizer.encode(bundled.prompts()[0]) if tokenizer else [3, 14, 15, 92, 65]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    result = {"modes": {}}
+    for k in (0, args.num_steps):
+        rows = []
+        for n in lengths:
+            call = lambda n=n, k=k: run(target, drafter, [prompt], k, n)
+            call()  # compile
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                out = call()
+                times.append(time.perf_counter() - t0)
+            rows.append(
+                {"tokens": len(out.tokens[0]), "seconds": statistics.median(times), "cycles": out.stats["cycles"]}
+            )
+        per_token, fixed = np.polyfit([r["tokens"] for r in rows], [r["seconds"] for r in rows], 1)
+        result["modes"][f"k={k}"] = {"rows": rows, "fixed_ms": 1e3 * fixed, "per_token_ms": 1e3 * per_token}
+        print(f"k={k}: fixed {1e3 * fixed:.1f} ms, {1e3 * per_token:.2f} ms per token", flush=True)
+    plain, spec = result["modes"]["k=0"], result["modes"][f"k={args.num_steps}"]
+    result["marginal_speedup"] = plain["per_token_ms"] / spec["per_token_ms"]
+    print(f"marginal speedup {result['marginal_speedup']:.2f}x")
+    return result
 
 
 if __name__ == "__main__":

@@ -4,14 +4,12 @@ importing another module's private (`_x`) names. Checked on the import graph (gr
 from __future__ import annotations
 
 import ast
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import grimp
 import pytest
+
+from tests.support import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxspec", "sharding", "converters")
@@ -20,13 +18,6 @@ PACKAGES = ("jaxspec", "sharding", "converters")
 @pytest.fixture(scope="module")
 def graph():
     return grimp.build_graph(*PACKAGES, cache_dir=None)
-
-
-def lint_imports(config: Path) -> subprocess.CompletedProcess:
-    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [exe, "--config", str(config), "--no-cache"]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_import_contracts_hold():

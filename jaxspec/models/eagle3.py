@@ -1,7 +1,7 @@
 """The EAGLE-3 drafter (Flax NNX): its config and its forward (`jaxspec.io.drafter_config` reads the config from the
 published checkpoint formats).
 
-One Llama-style decoder layer (spec: ../shared/spec/eagle3.md):
+One Llama-style decoder layer:
     first step:  h = fc(concat(captured target states, low -> high))    later steps: h = previous step's output
     a  = concat(input_layernorm(embed(token)), hidden_norm(h))            # 2D wide, embedding first
     h1 = residual + attn(a)     residual = h, or hidden_norm(h) with `norm_before_residual`

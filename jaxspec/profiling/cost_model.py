@@ -1,4 +1,4 @@
-"""The step-count calculus (see shared/spec/cost-model.md): which draft shape pays off.
+"""The step-count calculus: which draft shape pays off.
 
 Pure numpy. With a_j the conditional acceptance of draft position j (given positions 1..j-1 were accepted; for a tree,
 P(the accepted path reaches depth j | it reached depth j-1)):

@@ -198,12 +198,12 @@ class Executor:
 
     def _run_program(self, prefill, program: LoopConfig | None = None, window=None, fix=False, cycles=0) -> None:
         """`_prefill_and_run`: the `prefill` chunks, then (with a `program`) `cycles` cycles over `window`."""
-        chunks_N3 = np.zeros((self.max_batch, 3), np.int32)  # (row, start, drafter) of each; padding never runs
-        chunks_N3[: len(prefill)] = np.reshape([(c.row, c.start, c.drafter) for c in prefill], (-1, 3))
+        chunks = np.zeros((self.max_batch, 3), np.int32)  # (row, start, drafter) of each; padding never runs
+        chunks[: len(prefill)] = np.reshape([(c.row, c.start, c.drafter) for c in prefill], (-1, 3))
         programs = self.loop, self.per_row, program, window
         runs = np.int32(len(prefill)), np.bool_(fix), np.int32(cycles)
         self.state, self.pool = self._program(
-            *programs, self._params(), self.state, self.pool, self._tables, chunks_N3, *runs
+            *programs, self._params(), self.state, self.pool, self._tables, chunks, *runs
         )
 
     def counters(self) -> Counters:
@@ -257,9 +257,9 @@ def _gather(
     the drafter's with `drafter` (else None)."""
     window = state.window(rows, positions, start)
     block = pool.target.shape[2]
-    blocks_RK = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
-    drafts = Paged(pool.drafter, blocks_RK) if drafter else None
-    return window.replace(target_cache=Paged(pool.target, blocks_RK), draft_cache=drafts)
+    blocks = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
+    drafts = Paged(pool.drafter, blocks) if drafter else None
+    return window.replace(target_cache=Paged(pool.target, blocks), draft_cache=drafts)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -271,8 +271,8 @@ def _scatter(state: LoopState, pool: CachePool, part: LoopState, start) -> tuple
     return state, CachePool(part.target_cache.pool, drafter)
 
 
-def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks_N3, count, fix, cycles):
-    """One segment's program: the prefill chunks `chunks_N3[:count]` ((row, start, drafter) each, in order; the
+def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks, count, fix, cycles):
+    """One segment's program: the prefill chunks `chunks[:count]` ((row, start, drafter) each, in order; the
     loop's `prefill_slot` under config `prefill`, each row gathered over every position; on a state with a lazy
     drafter, the drafter runs over the chunk or, with `drafter` 0, over the prompt's last position only), then
     `cycles` cycles of `cfg` over the window (rows, positions, with the drafter's cache or not: a plain segment
@@ -288,8 +288,8 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
 
     def chunk(i, carry):
         state, pool = carry
-        row, start = chunks_N3[i, 0], chunks_N3[i, 1]
-        feed = chunks_N3[i, 2] > 0 if state.drafted_B is not None else None  # a fixed shape always feeds it
+        row, start = chunks[i, 0], chunks[i, 1]
+        feed = chunks[i, 2] > 0 if state.drafted_B is not None else None  # a fixed shape always feeds it
         part = _gather(state, pool, tables, row, 1, None)
         part = loop.prefill_slot(prefill, *params, part, jnp.int32(0), start, feed)
         return _scatter(state, pool, part, row)

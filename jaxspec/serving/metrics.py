@@ -1,6 +1,6 @@
 """Prometheus metrics of one server (its own registry: nothing module-global).
 
-What they mean (also in the README's "Serving" section):
+What they mean (also in docs/serving.md's metrics table):
 - `jaxspec_generated_tokens_total`: tokens handed to clients; `jaxspec_tokens_per_second`: that rate over the last
   `window` seconds.
 - `jaxspec_draft_reached_total{position=j}` / `jaxspec_draft_accepted_total{position=j}`: how often draft position j

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft vocabulary: the `draft_vocab_size` most frequent target tokens of the training targets.
 
-Spec (../shared/spec/eagle3.md, "Training"): count the target tokens over the loss-masked positions, keep the U most
+The rule: count the target tokens over the loss-masked positions, keep the U most
 frequent (ties: the lower id first), sort them by id (`used`); then `d2t[i] = used[i] - i` (int64 offsets, draft id
 i is target id i + d2t[i]) and `t2d[t] = t in used`. When fewer than U distinct tokens occur, the lowest unused ids
 fill the rest, so the vocabulary is always exactly U long (an lm_head row per draft id).

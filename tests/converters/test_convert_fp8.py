@@ -2,7 +2,6 @@
 through conversion: equal to the same model with torch's own dequantisation of every weight written as float32."""
 
 import json
-import re
 import shutil
 
 import jax
@@ -20,43 +19,12 @@ from jaxspec.io import save_target
 from jaxspec.io.fp8 import open_checkpoint
 from jaxspec.models.moe import ROUTED_PATHS
 from jaxspec.models.quant import Fp8Array
+from tests.reference.fp8_checkpoint import BLOCK, write_fp8
 
-BLOCK = 16  # small blocks, so tiny weights span several (and partial: 40 rows = 2.5 blocks)
-LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 # our parameters holding those weights, and a decoder layer's others (stored unquantised)
 LINEAR_PARAMS = {"q_a", "q_b_nope", "q_b_rope", "kv_a_latent", "kv_a_rope", "kv_b_k", "kv_b_v", "o", "gate", "up"}
 LINEAR_PARAMS |= {"down"}
 UNQUANTISED = {"input_norm", "post_attn_norm", "q_a_norm", "kv_a_norm", "router", "router_bias"}
-
-
-def write_fp8(src, dst) -> None:
-    """FP8 copy of `src` (every linear weight quantised per BLOCK x BLOCK, as DeepSeek-V3 ships) and, next to it in
-    `dst/../dense`, the float32 model holding torch's dequantisation of those weights."""
-    tensors = load_file(src / "model.safetensors")
-    fp8, dense = {}, {}
-    for name, w in tensors.items():
-        if not LINEAR.search(name):
-            fp8[name] = dense[name] = w
-            continue
-        r, c = w.shape
-        blocks = torch.nn.functional.pad(w.float(), (0, -c % BLOCK, 0, -r % BLOCK))
-        blocks = blocks.reshape(blocks.shape[0] // BLOCK, BLOCK, blocks.shape[1] // BLOCK, BLOCK)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-        expand = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:r, :c]
-        q = (w.float() / expand).to(torch.float8_e4m3fn)
-        fp8[name], fp8[name + "_scale_inv"] = q, scale.float()
-        dense[name] = q.float() * expand
-    for path, t in ((dst, fp8), (dst.parent / "dense", dense)):
-        shutil.copytree(src, path)
-        save_file(t, path / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": [BLOCK, BLOCK],
-    }
-    (dst / "config.json").write_text(json.dumps(cfg))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxspec import KimiConfig, Target
-from tests.decoding.drafters import random_drafter
+from tests.decoding.support import random_drafter
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from scipy import stats
 from jaxspec.decoding import acceptance
 from jaxspec.decoding.acceptance import greedy_accept, greedy_accept_ids, speculative_accept
 from jaxspec.decoding.sampling import Sampling, sample, warp
+from tests.decoding.support import chisquare_pvalue
 
 V = 6
 N = 200_000
@@ -112,18 +113,6 @@ def _cycle(key, ctx_N, target_VV, draft_VV, sampling, depth, draft_mode):
         next_N == jnp.take_along_axis(draft_NJ, accepted_N[:, None], 1, mode="clip")[:, 0]
     )
     return emitted_NT, accepted_N, redrawn_N
-
-
-def chisquare_pvalue(tokens_N, probs) -> float:
-    """p-value of "tokens_N are iid draws from probs" (flat cells); 0 if a zero-probability cell was drawn."""
-    probs = np.asarray(probs, np.float64).ravel()
-    probs /= probs.sum()
-    counts = np.bincount(np.asarray(tokens_N), minlength=probs.size)
-    if counts[probs == 0].any():
-        return 0.0
-    expected = len(tokens_N) * probs[probs > 0]
-    assert expected.min() >= 5, f"chi-square needs >= 5 expected draws per cell, got {expected.min():.1f}"
-    return float(stats.chisquare(counts[probs > 0], expected).pvalue)
 
 
 def _pvalues(sampling, depth, draft_mode="sampled", drafter="noisy"):

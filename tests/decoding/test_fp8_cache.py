@@ -10,8 +10,7 @@ import pytest
 from jaxspec.decoding.generate import generate
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.models.cache import FP8_MAX, dequantize_entries, quantize_entries
-from tests.decoding.drafters import random_drafter
-from tests.decoding.test_spec_loop import NEW, PROMPTS, check_pairs_follow_target
+from tests.decoding.support import NEW, PROMPTS, check_pairs_follow_target, random_drafter
 
 
 def test_format_round_trip():

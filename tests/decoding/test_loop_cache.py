@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jaxspec import KimiConfig, Target
 from jaxspec.decoding.generate import LoopCache
-from tests.decoding.drafters import OracleDrafter
+from tests.decoding.support import OracleDrafter
 
 CFG = KimiConfig.preset("tiny")
 

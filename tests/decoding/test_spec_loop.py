@@ -2,23 +2,20 @@
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats as scipy_stats
 
-from jaxspec import KimiConfig
 from jaxspec.decoding.generate import generate
-from jaxspec.decoding.sampling import Sampling, warp
+from jaxspec.decoding.sampling import Sampling
 from sharding.mesh import make_mesh
-from tests.decoding.drafters import OracleDrafter, random_drafter
-
-CFG = KimiConfig.preset("tiny")
-RNG = np.random.default_rng(7)
-PROMPTS = {
-    n: [RNG.integers(2, CFG.vocab_size, size=int(s)).tolist() for s in RNG.integers(1, 12, n)] for n in (1, 3, 8)
-}
-NEW = 14
+from tests.decoding.support import (
+    NEW,
+    PROMPTS,
+    OracleDrafter,
+    check_pairs_follow_target,
+    random_drafter,
+    stop_mid_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +23,6 @@ def plain(target):
     """Plain greedy outputs per batch size, and a stop id that ends the middle sequence half way."""
     out = {n: generate(target, None, p, max_new_tokens=NEW, num_steps=0).tokens for n, p in PROMPTS.items()}
     return out
-
-
-def stop_mid_batch(plain_tokens):
-    mid = plain_tokens[len(plain_tokens) // 2]
-    return [mid[NEW // 2]]
 
 
 def check_lossless(target, drafter, n, k, plain):
@@ -139,26 +131,6 @@ def test_sampling_is_lossless(peaky, sampling, which):
     assert len(pairs) > 0.9 * n
 
     check_pairs_follow_target(target, prompt, pairs, Sampling(**sampling))
-
-
-def check_pairs_follow_target(target, prompt: list[int], pairs: np.ndarray, sampling: Sampling) -> None:
-    """Chi-square: the (first, second) generated tokens [n, 2] after `prompt` follow the target's joint warped
-    distribution (rare cells pooled); no token outside the warped support."""
-    warped = lambda logits: np.exp(np.asarray(warp(jnp.asarray(logits), sampling)))
-    p_first = warped(np.asarray(target.logits([prompt]))[0, -1])
-    firsts = np.unique(pairs[:, 0])
-    p_second = warped(np.asarray(target.logits([prompt + [int(f)] for f in firsts]))[:, -1])
-    expected = p_first[firsts, None] * p_second  # joint over (first, second), renormalised below
-    observed = np.zeros_like(expected)
-    np.add.at(observed, (np.searchsorted(firsts, pairs[:, 0]), pairs[:, 1]), 1)
-    assert observed[expected == 0].sum() == 0, "a token outside the warped support was emitted"
-    expected *= observed.sum() / expected.sum()
-    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
-    obs, exp = np.append(observed[keep], observed[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
-    obs, exp = obs[exp > 0], exp[exp > 0]  # the pooled cell is empty when top-p removed every rare token
-    assert keep.sum() >= 10, "too few cells for a meaningful test"
-    pvalue = scipy_stats.chisquare(obs, exp).pvalue
-    assert pvalue > 1e-3, pvalue
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from jaxspec.decoding.acceptance import greedy_accept_ids
 from jaxspec.decoding.sampling import Sampling, warp
 from jaxspec.models.cache import write_cache
 from jaxspec.models.tree_attention import compact_path
-from tests.decoding.test_acceptance import chisquare_pvalue
+from tests.decoding.support import chisquare_pvalue
 
 ALPHA = 1e-3  # per statistical assertion, as in test_acceptance.py (whose chi-square helper this file uses)
 N = 200_000

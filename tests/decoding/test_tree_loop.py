@@ -18,9 +18,8 @@ from jaxspec.decoding.spec_loop import draft_tree
 from jaxspec.io.drafter_config import draft_config_for
 from jaxspec.runtime import Drafter
 from sharding.mesh import make_mesh
-from tests.decoding.drafters import OracleDrafter, random_drafter
-from tests.decoding.test_spec_loop import NEW, check_pairs_follow_target, stop_mid_batch
-from tests.decoding.test_spec_loop import PROMPTS as CHAIN_PROMPTS
+from tests.decoding.support import NEW, OracleDrafter, check_pairs_follow_target, random_drafter, stop_mid_batch
+from tests.decoding.support import PROMPTS as CHAIN_PROMPTS
 
 PROMPTS = CHAIN_PROMPTS[8]  # the chain tests' batch of 8 and budget: their plain runs are compiled once per session
 

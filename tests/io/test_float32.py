@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from converters.target import convert_target
 from jaxspec import KimiConfig, Target, load_target
 from jaxspec.io.hf import layer_table, top_table
-from tests.converters.test_convert_fp8 import write_fp8
+from tests.reference.fp8_checkpoint import write_fp8
 
 BIAS = "mlp.gate.e_score_correction_bias"
 

@@ -1,4 +1,4 @@
-"""The cost model on synthetic inputs and on the worked numbers of shared/spec/cost-model.md."""
+"""The cost model on synthetic inputs and on worked numbers."""
 
 import numpy as np
 import pytest

@@ -25,7 +25,7 @@ from jaxspec.profiling.tune import (
     tune,
 )
 from sharding.mesh import make_mesh
-from tests.decoding.drafters import random_drafter
+from tests.decoding.support import random_drafter
 
 PROMPTS = [[1, 17, 42, 7, 99], [5, 8, 13, 21, 34, 55]]
 FAST = dict(max_new_tokens=32, stream_cycles=8, inner=2, repeats=1, verbose=False)

@@ -17,8 +17,8 @@ from jaxspec.serving.adaptive import EXPLORE_SHARE, FEED, FEED_EVERY, FIRST, LOS
 from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
-from tests.serving.conftest import NUM_STEPS, warm_engine
-from tests.serving.test_engine import CONFIG as ENGINE_CONFIG
+from tests.serving.support import ENGINE as ENGINE_CONFIG
+from tests.serving.support import NUM_STEPS, warm_engine
 
 PLAIN, CHAIN = DraftShape(0), DraftShape(NUM_STEPS)
 # test_engine's shape (so its chain, admit and prefill programs compile once for both modules) with plain decoding as
@@ -322,9 +322,10 @@ def test_rows_are_fed_the_drafter_unless_every_chain_is_predicted_below_feed_x_p
     assert policy.feeds_drafter()
     loop.run(policy, CHAIN, 0.01 * chain_cost, accepted)
     pays = (1 + accepted) / chain_cost >= FEED
+    asked = [policy.feeds_drafter() for _ in range(2 * FEED_EVERY)]  # asking admits nothing: no answer changes
+    assert asked == [pays] * len(asked)
     fed = []
     for _ in range(2 * FEED_EVERY):
-        assert policy.feeds_drafter() == policy.feeds_drafter()  # asking admits nothing
         fed.append(policy.feeds_drafter())
         policy.admitted(fed[-1])
     assert fed == [True] * len(fed) if pays else fed == ([False] * (FEED_EVERY - 1) + [True]) * 2

@@ -14,7 +14,7 @@ import pytest
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.blocks import BlockPool, BlockTables, chain_keys
 from jaxspec.serving.request import Request
-from tests.serving.test_scheduler import EOS, FakeExecutor, FakeRow, Shape, make, token
+from tests.serving.support import EOS, FakeExecutor, FakeRow, Shape, make, token
 
 
 def test_allocator_counts_references_and_evicts_the_least_recently_used_cached_block():
@@ -255,7 +255,10 @@ def test_eviction_under_pool_pressure_keeps_the_recently_used_prefixes():
     shape = Shape(max_batch=1, pool_blocks=16)
     prompts = [[20 + i] * 33 for i in range(4)]  # each caches 4 blocks
     served = serve(shape, [[Request(p, 4, RowSpec(seed=1))] for p in prompts])
-    assert served[0].tables.pool.cached <= 16
+    pool = served[0].tables.pool
+    # the fourth prompt's blocks evicted the least recently used: the first prompt's tail two, its head still cached
+    cached = [len(pool.lookup(chain_keys(p, shape.block, 4))) for p in prompts]
+    assert cached == [2, 4, 4, 4] and pool.cached == 14 and pool.used == 0
     last, first = Request(prompts[-1], 4, RowSpec(seed=2)), Request(prompts[0], 4, RowSpec(seed=3))
     serve(shape, [[last], [first]], served)
     # the oldest prefix lost blocks to the newer ones (its tail first: what is left of it is still a prefix)

@@ -5,24 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
 from jaxspec.decoding.sampling_params import RowSpec
-from jaxspec.serving.engine import EngineConfig, QueueFull, Request
-from tests.serving.conftest import NUM_STEPS, warm_engine
-
-# 2 slots of 128 positions, prefill chunks of 16 (most prompts take several), short segments. Per-row programs
-# only, so as few programs compile as before (the server tests run the static-greedy program).
-CONFIG = EngineConfig(
-    max_batch=2,
-    max_context=128,
-    draft=DraftShape(NUM_STEPS),
-    prefill_chunk=16,
-    segment_cycles=2,
-    max_queue=6,
-    batch_buckets=(2,),
-    greedy_program=False,
-)
+from jaxspec.serving.engine import QueueFull, Request
+from tests.serving.support import ENGINE as CONFIG
+from tests.serving.support import warm_engine
 
 
 @pytest.fixture(scope="module")

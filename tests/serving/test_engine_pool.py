@@ -10,7 +10,7 @@ import pytest
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import Engine, EngineConfig, Request
-from tests.serving.test_engine import CONFIG
+from tests.serving.support import ENGINE as CONFIG
 
 # test_engine's shape (so the loop's programs are shared) with a pool of 10 blocks of 16 positions: two rows that
 # each reach past 80 positions do not fit together.

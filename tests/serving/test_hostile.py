@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import NUM_STEPS, running_server
+from tests.serving.support import NUM_STEPS, running_server
 
 MODEL = "kimi-py-tiny"
 KEYS = ("key-a", "key-b")

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from jaxspec.decoding import DraftShape
 from jaxspec.serving.app import create_app
 from jaxspec.serving.engine import Engine, EngineConfig
-from tests.serving.conftest import NUM_STEPS
+from tests.serving.support import NUM_STEPS
 
 MODEL = "tiny"
 

@@ -13,7 +13,8 @@ from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS, RowSpec
 from jaxspec.serving.engine import Engine, Request
-from tests.serving.test_engine import CONFIG
+from tests.serving.support import ENGINE as CONFIG
+from tests.serving.support import TREE_ENGINE as TREE
 
 TOL = 1e-4  # float32 on the bundled pair
 
@@ -102,7 +103,6 @@ def test_min_tokens_masks_stop_ids_and_greedy_speculative_equals_plain(engines, 
 def test_tree_logprobs_equal_one_full_forward(pair, prompts):
     """A tree draft's scores come from the verify logits of the accepted path's nodes (the engine of
     test_engine_tree, whose programs compile once per session): a greedy and a sampled request."""
-    from tests.serving.test_engine_tree import CONFIG as TREE
 
     target, drafter, tokenizer = pair
     engine = Engine(target, drafter, TREE, stop_ids=tokenizer.stop_ids)

@@ -17,7 +17,7 @@ import pytest
 
 from jaxspec import bundled, generate
 from sharding.mesh import make_mesh
-from tests.serving.conftest import NUM_STEPS, free_port, wait_healthy
+from tests.serving.support import NUM_STEPS, free_port, wait_healthy
 
 
 @pytest.fixture(scope="module")

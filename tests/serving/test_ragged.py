@@ -10,7 +10,7 @@ from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import EngineConfig, Request
-from tests.serving.conftest import warm_engine
+from tests.serving.support import warm_engine
 
 # 4 slots of 256 positions, one batch bucket, the per-row program only (few programs to compile).
 CONFIG = EngineConfig(

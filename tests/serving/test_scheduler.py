@@ -5,8 +5,6 @@ through bytes. The scheduler and the plan import no jax (checked in a fresh inte
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import os
 import re
 import subprocess
@@ -30,31 +28,10 @@ from jaxspec.serving.plan import (
     StepResult,
 )
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler
+from tests.serving.support import CHAIN, EOS, VOCAB, FakeExecutor, Shape, make, token
+from tests.support import lint_imports
 
 ROOT = Path(__file__).resolve().parents[2]
-VOCAB = 50
-EOS = 7
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The slot shape the scheduler reads (the engine's config has the same fields)."""
-
-    max_batch: int = 4
-    max_context: int = 128
-    prefill_chunk: int = 8
-    segment_cycles: int = 2
-    max_queue: int = 8
-    greedy_program: bool = True
-    buckets: tuple[int, ...] = (1, 2, 4)
-    block: int = 8
-    pool_blocks: int = 64  # every slot's full context: no preemption
-    prefix_cache: bool = True
-
-
-def token(seed: int, i: int) -> int:
-    """The fake model's i-th generated token for a row seeded `seed` (whatever else is in the batch)."""
-    return (seed * 31 + i * 17 + 3) % VOCAB
 
 
 def expected(prompt, max_new: int, seed: int, stop_ids=()) -> list[int]:
@@ -64,85 +41,6 @@ def expected(prompt, max_new: int, seed: int, stop_ids=()) -> list[int]:
         if out[-1] in (EOS, *stop_ids):
             break
     return out
-
-
-@dataclasses.dataclass
-class FakeRow:
-    admission: RowAdmission
-    tokens: list[int]  # prompt + generated, as the device's tokens_BS row
-    prefilled: int = 0  # prompt positions processed
-    done: bool = True  # as the device: a row is done until its last prefill chunk
-
-    def generated(self) -> int:
-        return len(self.tokens) - len(self.admission.prompt)
-
-    def emit(self) -> None:
-        a = self.admission
-        self.tokens.append(token(a.spec.seed, self.generated()))
-        stops = a.spec.stop_ids if a.spec.ignore_eos else (EOS, *a.spec.stop_ids)
-        self.done = self.tokens[-1] in stops or self.generated() >= a.max_new
-
-
-class FakeExecutor:
-    """Runs plans as the device does (free, admit, prefill, segment, read), on host rows; each generating row gains
-    1 to J+1 tokens per cycle. It checks what the device relies on: chunks in order, and blocks that hold every
-    position a generating row writes (the device writes each row's entries into its own blocks in place)."""
-
-    Row = FakeRow
-
-    def __init__(self, shape: Shape):
-        self.shape, self.rows, self.plans = shape, [None] * shape.max_batch, []
-        self.owned = [0] * shape.max_batch  # each row's blocks (its table's length)
-        self.cycle = 0
-
-    def run(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        for row in plan.free:
-            self.rows[row].done = True
-        for b in plan.blocks:
-            self.owned[b.row] = len(b.blocks)
-        for a in plan.admit:
-            self.rows[a.row] = self.Row(a, list(a.prompt), a.cached)
-        for chunk in plan.prefill:
-            row = self.rows[chunk.row]
-            assert chunk.start == row.prefilled and row.done, "prefill chunks run in order, on a row not generating"
-            assert chunk.start >= row.admission.cached, "prefill starts past the cached prefix"
-            row.prefilled = min(chunk.start + self.shape.prefill_chunk, len(row.admission.prompt))
-            if row.prefilled == len(row.admission.prompt):
-                row.emit()  # the prefill's first token
-        if plan.segment is not None:
-            self._segment(plan.segment)
-        out = []
-        for read in plan.read:
-            row = self.rows[read.row]
-            assert read.start <= len(row.tokens)
-            scores = () if read.prompt else None  # an echo read's prompt scores (none: the fake scores nothing)
-            out.append(RowResult(read.row, tuple(row.tokens[read.start :]), row.done, prompt_logprobs=scores))
-        counters = Counters(self.cycle, (0,), (0,), (0, 0)) if plan.busy else None
-        return StepResult(plan.step, tuple(out), counters)
-
-    def _segment(self, seg: Segment) -> None:
-        assert seg.rows in self.shape.buckets
-        ahead = seg.draft.lookahead
-        for _ in range(seg.cycles):
-            self.cycle += 1
-            for i, row in enumerate(self.rows[: seg.rows]):
-                if row is None:
-                    continue
-                # a generating row writes up to lookahead positions past its length: inside its own blocks
-                held = min(self.owned[i] * self.shape.block, self.shape.max_context)
-                assert row.done or len(row.tokens) + ahead <= held, (i, len(row.tokens), self.owned[i], seg)
-                for _ in range(1 + (row.admission.spec.seed + self.cycle) % (seg.draft.num_steps + 1)):
-                    if not row.done:
-                        row.emit()
-
-
-CHAIN = DraftShape(3)
-
-
-def make(shape: Shape = Shape(), draft: DraftShape = CHAIN, seeds=None) -> Scheduler:
-    seeds = seeds or itertools.count(1000).__next__
-    return Scheduler(shape, draft, vocab_size=VOCAB, stop_ids=(EOS,), seeds=seeds)
 
 
 def step(scheduler: Scheduler, executor: FakeExecutor):
@@ -527,7 +425,5 @@ def test_the_import_contract_catches_jax_in_the_scheduler(tmp_path):
     assert sources, "the scheduler's contract in pyproject.toml changed: update this test"
     engine = sources[0][:-1].rstrip().rstrip(",") + ', "jaxspec.serving.engine"]'
     (tmp_path / "pyproject.toml").write_text(text.replace(sources[0], engine))
-    from tests.test_architecture import lint_imports
-
     run = lint_imports(tmp_path / "pyproject.toml")
     assert run.returncode != 0 and "jaxspec.serving.engine" in run.stdout and "BROKEN" in run.stdout, run.stdout[-3000:]

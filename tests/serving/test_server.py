@@ -13,8 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import NUM_STEPS, running_server
-from tests.serving.test_text import expected
+from tests.serving.support import NUM_STEPS, expected_text, running_server
 
 MODEL = "kimi-py-tiny"
 SLOTS, QUEUE = 4, 16
@@ -252,14 +251,14 @@ def test_stream_equals_answer_for_every_stop_string(client, pair, prompts, refer
         [text[at[16] : at[17] + 1], text[at[10] : at[10] + 1], "never-generated"],  # the earliest wins
     ]
     for stop in stops:
-        want_text, want_count = expected(tokenizer, ref, stop)
+        want_text, want_count = expected_text(tokenizer, ref, stop)
         answer, streamed = _both_modes(client, False, prompt=prompts[1], max_tokens=24, temperature=0, stop=stop)
         assert answer == streamed == (want_text, want_count, "stop"), stop
     messages = [{"role": "user", "content": "import os"}]
     chat_ref = reference(tokenizer.encode("user: import os\nassistant: "), 16)
     stop = [text_of(pair, chat_ref)[3:5]]
     answer, streamed = _both_modes(client, True, messages=messages, max_tokens=16, temperature=0, stop=stop)
-    assert answer == streamed == (*expected(tokenizer, chat_ref, stop), "stop")
+    assert answer == streamed == (*expected_text(tokenizer, chat_ref, stop), "stop")
 
 
 def test_prompt_lists_give_one_choice_per_prompt_in_order(client, pair, prompts, reference):

@@ -9,24 +9,13 @@ import pytest
 from jaxspec import bundled
 from jaxspec.serving.text import ChoiceText
 from jaxspec.tokenizer import load_tokenizer
-
-EOS = 0
+from tests.serving.support import TEXT_EOS as EOS
+from tests.serving.support import expected_text as expected
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(bundled.paths()[0])
-
-
-def expected(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, int]:
-    """(text, counted tokens) by brute force: the shortest prefix whose text contains a stop string."""
-    text_ids = [t for t in ids if t != EOS]
-    for k in range(1, len(ids) + 1):
-        text = tokenizer.decode([t for t in ids[:k] if t != EOS])
-        hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            return text[: min(hits)], k
-    return tokenizer.decode(text_ids), len(ids)
 
 
 def run(tokenizer, ids: list[int], stops: list[str], chunk: int) -> tuple[str, str, int]:
