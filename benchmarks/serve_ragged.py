@@ -1,7 +1,8 @@
 """What one long conversation costs the short ones beside it: the serving engine's inter-token latency of short rows
-alone, beside one long row, and of a batch of long rows, with attention that reads every row to the batch's
-longest ("batch-max": the attention of --before, loaded from git history) against attention that reads each row
-only as far as its own length ("ragged": the current code).
+alone, beside one long row, and of a batch of long rows, for the serving code of --before (segments copy a dense
+window of the bucket the longest row needs out of the pool and back, and attention reads every row to the batch's
+longest: "before", that commit's jaxspec and sharding packages from git history) against the current code (each row
+reads its own blocks of the pool in place, as far as its own length: "ragged").
 
     python benchmarks/serve_ragged.py                       # float32; writes benchmarks/results/serve_ragged.{json,md}
     python benchmarks/serve_ragged.py --dtype bfloat16 --output benchmarks/results/serve_ragged_bf16.json
@@ -16,7 +17,8 @@ After every row is prefilled and a few warm-up steps (which compile), --steps en
 inter-token latency is a step's time over the tokens that row got in it (one per cycle), and the report gives the
 median. r = (B - A) / (C - A) is the share of an all-long batch's extra cost that one long row adds: ~1 when every
 row reads to the longest, ~1/8 when each reads its own. Each variant runs in its own process, one after the other, in
-one run of this script (ratios within one run: the machine is shared).
+one run of this script (ratios within one run: the machine is shared), with the same script: only the packages it
+imports differ.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from subprocess import PIPE
 
 ROOT = Path(__file__).resolve().parent.parent
-BEFORE = "f177fd0"  # the last commit whose attention read every row to the batch's longest
+BEFORE = "f177fd0"  # the last commit whose serving copied windows and read every row to the batch's longest
 
 
 def bench_config(dtype: str):
@@ -47,17 +52,6 @@ def bench_config(dtype: str):
     )
 
 
-def use_batch_max_attention(commit: str) -> None:
-    """Put `commit`'s `attend_live_prefix` (the batch's longest row sets every row's reads) in place of today's."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from history import module_at
-
-    from jaxspec.models import mla, tree_attention
-
-    old = module_at(commit, "jaxspec/models/mla.py", "_batch_max_mla")
-    mla.attend_live_prefix = tree_attention.attend_live_prefix = old.attend_live_prefix
-
-
 def measure(args) -> dict:
     """One variant in this process: the median short-row inter-token latency of batches A, B and C (seconds)."""
     from sharding.cpu import simulate_cpu_devices
@@ -71,8 +65,6 @@ def measure(args) -> dict:
     from jaxspec.serving.engine import Engine, EngineConfig, Request
     from sharding.mesh import make_mesh
 
-    if args.variant == "batch-max":
-        use_batch_max_attention(args.before)
     cfg = bench_config(args.dtype)
     target = Target.random(cfg, mesh=make_mesh("1x1"), dtype=jnp.dtype(args.dtype), seed=0)
     config = EngineConfig(max_batch=8, max_context=args.max_context, draft=DraftShape(0), segment_cycles=args.cycles)
@@ -108,13 +100,26 @@ def report(runs: dict, args, load: str) -> str:
         f"row ({args.short}-token prompts; the long rows {args.long}), plain decoding, 8 slots of {args.max_context}",
         "positions; r = (B - A) / (C - A).",
         "",
-        "| attention | A: 7 short | B: 7 short + 1 long | C: 8 long | r |",
+        "| serving code | A: 7 short | B: 7 short + 1 long | C: 8 long | r |",
         "|---|---|---|---|---|",
     ]
     for variant, t in runs.items():
         ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
         lines.append(f"| {variant} | {ms(t['A'])} | {ms(t['B'])} | {ms(t['C'])} | {t['r']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def run(variant: str, old: Path, args) -> dict:
+    """Measure `variant` in a process of its own ("before": the packages extracted to `old`); adds r."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
+    env = dict(os.environ, PYTHONPATH=str(old if variant == "before" else ROOT))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{variant}: failed\n{done.stderr[-3000:]}")
+    t = json.loads(done.stdout.strip().splitlines()[-1])
+    t["r"] = (t["B"] - t["A"]) / (t["C"] - t["A"])
+    print(f"{variant}: r = {t['r']:.2f}", flush=True)
+    return t
 
 
 def main() -> None:
@@ -126,8 +131,8 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=4, help="cycles per segment (EngineConfig.segment_cycles)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--variants", default="batch-max,ragged")
-    p.add_argument("--before", default=BEFORE, help="the commit whose attention 'batch-max' runs")
+    p.add_argument("--variants", default="before,ragged")
+    p.add_argument("--before", default=BEFORE, help="the commit whose serving code 'before' runs")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: measure one variant in this process
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_ragged.json")
     args = p.parse_args()
@@ -137,15 +142,14 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from serve_engine import load_text
 
-    load_before, runs = os.getloadavg(), {}
-    for variant in args.variants.split(","):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-        t = json.loads(done.stdout.strip().splitlines()[-1])
-        t["r"] = (t["B"] - t["A"]) / (t["C"] - t["A"])
-        runs[variant] = t
-        print(f"{variant}: r = {t['r']:.2f}", flush=True)
+    load_before = os.getloadavg()
+    old = Path(tempfile.mkdtemp(prefix="serve_ragged_"))
+    archive = subprocess.run(["git", "archive", args.before, "jaxspec", "sharding"], cwd=ROOT, check=True, stdout=PIPE)
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    try:
+        runs = {variant: run(variant, old, args) for variant in args.variants.split(",")}
+    finally:
+        shutil.rmtree(old)
     load = load_text(load_before, os.getloadavg())
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(dict(command=" ".join(sys.argv), load=load, runs=runs), indent=1) + "\n")
