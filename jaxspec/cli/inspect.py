@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cache-len", type=int, default=4096, help="KV cache positions (default: %(default)s)")
     p.add_argument(
+        "--pool-block",
+        type=int,
+        metavar="N",
+        help="compile the step over serving's layout: the cache a pool of blocks of N positions read in place "
+        "(the paged MLA kernel on TPU and GPU; the pool row-major on TPU); needs a mesh whose data axis is 1",
+    )
+    p.add_argument(
         "--topology",
         metavar="NAME",
         help="compile for a TPU slice without one (needs the tpu extra): a Cloud TPU name (v5p-16, v6e-32, "
@@ -58,6 +65,8 @@ def check(args: argparse.Namespace) -> None:
     for name in ("batch", "tokens", "cache_len"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    if args.pool_block is not None and (args.pool_block < 1 or args.cache_len % args.pool_block):
+        fail(f"--pool-block: expected a divisor of --cache-len {args.cache_len}, got {args.pool_block}")
     if args.topology is not None:
         from sharding.topology import TopologyError, libtpu_name
 
@@ -133,7 +142,7 @@ def compile_or_oom(target: Any, args: argparse.Namespace, devices: Any) -> tuple
     from sharding.topology import parse_oom
 
     try:
-        return target.compile_step(args.batch, args.tokens, args.cache_len), None
+        return target.compile_step(args.batch, args.tokens, args.cache_len, pool_block=args.pool_block), None
     except Exception as e:
         oom = parse_oom(str(e)) if devices is not None else None
         if oom is None:

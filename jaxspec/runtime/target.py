@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
@@ -209,6 +210,22 @@ class Target:
         shape, dtype = self.cache_shape_dtype(batch, max_len)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, self.cache_spec()))
 
+    def abstract_pool(self, batch: int, max_len: int, block: int) -> Paged:
+        """The serving layout of `batch` rows of `max_len` positions, abstract: a pool of a block of `block` positions
+        for each of every row's (and the null block), and the rows' tables. On TPU the pool's layout is pinned
+        row-major, the paged kernel's: XLA's default for a 576-wide pool puts the blocks axis minor, and every call
+        would relayout the whole pool (docs/performance.md)."""
+        if block < 1 or max_len % block:
+            raise ValueError(f"pool block: expected a divisor of the cache length {max_len}, got {block}")
+        self.specs_of(Paged(None, None))  # a pool needs the data axis to be 1
+        shape, dtype = self.cache_shape_dtype(batch * max_len // block + 1, block)
+        sharding = NamedSharding(self.mesh, self.cache_spec())
+        if self.mesh.devices.flat[0].platform == "tpu":
+            sharding = Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)
+        rows = NamedSharding(self.mesh, PartitionSpec(self.rules.batch, None))
+        tables = jax.ShapeDtypeStruct((batch, max_len // block), jnp.int32, sharding=rows)
+        return Paged(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), tables)
+
     def cache_bytes_per_device(self, batch: int, max_len: int) -> int:
         """Bytes one device holds of a cache for `batch` sequences of `max_len` positions (batch split over data)."""
         return per_device_param_bytes(self.abstract_cache(batch, max_len))
@@ -303,14 +320,27 @@ class Target:
             reshard(num_accepted_B, spec=PartitionSpec(batch)),
         )
 
-    def compile_step(self, batch: int, tokens: int, cache_len: int, *, head: Head = "logits", tree: bool = False):
+    def compile_step(
+        self,
+        batch: int,
+        tokens: int,
+        cache_len: int,
+        *,
+        head: Head = "logits",
+        tree: bool = False,
+        pool_block: int | None = None,
+    ):
         """AOT-compile one cached step (decode: tokens=1; verify: k+1; with `tree`, verify of a draft tree of
         `tokens` nodes under its ancestor mask) for abstract inputs; nothing is allocated beyond what `params` already
-        holds. Used by `jaxspec inspect` and the full-size benchmark."""
+        holds. With `pool_block`, over serving's layout (`abstract_pool`: the cache a pool of blocks of that many
+        positions, read in place; on TPU and GPU by the paged kernel). Used by `jaxspec inspect` and the full-size
+        benchmark."""
         mesh = self.mesh
         batch_sharding = NamedSharding(mesh, PartitionSpec(self.rules.batch, None))
         ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
         cache = self.abstract_cache(batch, cache_len)
+        if pool_block is not None:
+            cache = self.abstract_pool(batch, cache_len, pool_block)
         if not tree:
             step = jax.jit(lambda p, t, q, c: self.apply(p, t, q, c, head=head), donate_argnums=3)
             return step.lower(self.params, ids, ids, cache).compile()

@@ -117,6 +117,19 @@ def test_kimi_k25_decode_on_v5p16(tmp_path):
     assert report["cache_token_bytes_per_device"] == 61 * 576 * 2
 
 
+def test_kimi_k25_serving_layout_on_v5p16_reads_the_pool_with_the_kernel(tmp_path):
+    """Serving's layout at full size (8 rows of 8,192 positions in a pool of 64-position blocks, a verify of 4): libtpu
+    compiles the paged MLA kernel into both layer stacks, with the pool pinned row-major nothing of it is copied (the
+    dense cache's XLA loop needs GiBs of temporaries), and a position costs the 576-wide entry padded to 640 lanes."""
+    argv = ("--topology", "v5p-16", "--preset", "kimi-k2.5", "--batch", "8", "--tokens", "4", "--cache-len", "8192")
+    dense = inspect_slice(tmp_path, "dense", *argv)
+    paged = inspect_slice(tmp_path, "paged", *argv, "--pool-block", "64")
+    assert paged["kernels"]["tpu_custom_call"] == dense["kernels"]["tpu_custom_call"] + 2  # dense + MoE layer scans
+    assert paged["memory"]["temp_bytes"] < 2**30 < dense["memory"]["temp_bytes"]
+    assert paged["fits"] is True and paged["kv_capacity_tokens"] > dense["kv_capacity_tokens"]
+    assert 61 * 640 * 2 <= paged["cache_token_bytes_per_device"] < 1.01 * 61 * 640 * 2  # + the null block, tables
+
+
 @pytest.mark.slow  # the same full-size compile as K2.5's above (its config is K2.5's: tests/test_config.py)
 def test_kimi_k26_decode_on_v5p16(tmp_path):
     report = inspect_slice(
