@@ -21,7 +21,7 @@ preempted: its blocks go back and its request waits at the head of the queue, re
 its tokens but the last, which the row is given as its first (recompute; a row's draws are keyed by position, so it
 goes on as it would have: the same tokens for greedy and seeded sampling). Each change of a row's blocks goes into the
 plan. The segment's draft shape is the `DraftPolicy`'s (adaptive.py): the candidate it predicts fastest for the rows
-generating now, from the segment times and counters `update` hands it.
+generating now and the live length of the longest of them, from the segment times and counters `update` hands it.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ class Scheduler:
         self.config, self.draft, self.vocab_size = config, draft, vocab_size
         self.policy = DraftPolicy(shapes or (draft,), config.segment_cycles)
         self._segment_run: Segment | None = None  # the last plan's segment
+        self._segment_context = 0  # ... and the live length of its longest generating row (the policy's context)
         self.stop_ids = tuple(stop_ids)  # the model's (they stop every request)
         self.seeds = seeds
         self.slots: list[Slot | None] = [None] * config.max_batch
@@ -216,7 +217,7 @@ class Scheduler:
         if result.step != self.step:
             raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
         if self._segment_run is not None and result.counters is not None:
-            self.policy.observe(self._segment_run, result.counters, result.segment_seconds)
+            self.policy.observe(self._segment_run, result.counters, result.segment_seconds, self._segment_context)
         now = time.perf_counter()
         delivered = []
         for row in result.rows:
@@ -348,10 +349,13 @@ class Scheduler:
 
     def _segment(self, rows: int, generating: int) -> Segment:
         """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, drafting the
-        policy's shape, static-greedy while every occupied row is greedy (and the config allows it), else per-row."""
+        policy's shape for these rows and the live length of the longest, static-greedy while every occupied row is
+        greedy (and the config allows it), else per-row."""
         cfg = self.config
         b = next(b for b in cfg.buckets if b >= rows)
-        draft = self.policy.choose(b, generating)
+        generating_rows = [t.request for t in self.slots if t is not None and t.next_chunk is None]
+        self._segment_context = max(len(r.prompt) + len(r.tokens) for r in generating_rows)
+        draft = self.policy.choose(b, generating, self._segment_context)
         s = next(s for s in cfg.contexts if s >= self._context_need(draft))
         greedy = cfg.greedy_program and all(s is None or _greedy_program_serves(s.request) for s in self.slots)
         return Segment(b, s, draft, greedy, cfg.segment_cycles)

@@ -13,7 +13,16 @@ import pytest
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import RowSpec
-from jaxspec.serving.adaptive import EXPLORE_SHARE, FEED, FEED_EVERY, FIRST, LOSING, DraftPolicy
+from jaxspec.serving.adaptive import (
+    CONTEXT_RANGE,
+    EXPLORE_SHARE,
+    FEED,
+    FEED_EVERY,
+    FIRST,
+    LOSING,
+    DraftPolicy,
+    context_range,
+)
 from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor, _gather
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
@@ -34,10 +43,10 @@ class Scripted:
     def __init__(self, shapes):
         self.shapes = itertools.cycle(shapes)
 
-    def choose(self, rows, generating):
+    def choose(self, rows, generating, context):
         return next(self.shapes)
 
-    def observe(self, segment, counters, seconds):
+    def observe(self, segment, counters, seconds, context):
         pass
 
     def feeds_drafter(self):
@@ -214,15 +223,18 @@ class Loop:
     def __init__(self):
         self.counters = Counters(0, (0, 0, 0), (0, 0, 0), (0, 0, 0, 0))
 
-    def run(self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, rows: int = 2):
-        """One segment of 4 cycles over `rows` rows, each accepting `accepted` drafts of a chain."""
+    def run(
+        self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, rows: int = 2, context=0
+    ):
+        """One segment of 4 cycles over `rows` rows, each accepting `accepted` drafts of a chain, the longest `context`
+        positions long."""
         c, k, n = self.counters, draft.num_steps, 4 * rows
         a = min(accepted, k)
         reached = tuple(r + (n if j < k and j <= a else 0) for j, r in enumerate(c.reached))
         acc = tuple(x + (n if j < a else 0) for j, x in enumerate(c.accepted))
         hist = tuple(h + (n if t == a else 0) for t, h in enumerate(c.accept_hist))
         self.counters = Counters(c.cycles + 4, reached, acc, hist)
-        policy.observe(segment(draft, rows), self.counters, 4 * seconds_per_cycle)
+        policy.observe(segment(draft, rows), self.counters, 4 * seconds_per_cycle, context)
 
 
 @pytest.mark.parametrize(
@@ -288,7 +300,7 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
     after the programs compiled, and with none of the warm-up's dummy counters (a chain's acceptance unmeasured)."""
     engine = warm_engine(pair, CONFIG)  # a fresh engine (its programs are the module's, compiled once)
     policy = engine.scheduler.policy
-    assert set(policy.cycle_seconds) == {(s, b) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
+    assert set(policy.cycle_seconds) == {(s, b, 0) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
     assert all(t > 0 for t in policy.cycle_seconds.values())
     assert not policy.reached.any() and policy.choose(2, 2) == CHAIN
 
@@ -332,3 +344,48 @@ def test_rows_are_fed_the_drafter_unless_every_chain_is_predicted_below_feed_x_p
     loop.run(policy, CHAIN, 0.0105, accepted, rows=1)  # a bucket where the chain is within 5% of plain
     assert policy.feeds_drafter()
     assert DraftPolicy((CHAIN,), cycles=4).feeds_drafter() and DraftPolicy((PLAIN,), cycles=4).feeds_drafter()
+
+
+SHORT, LONG = 100, 16 * CONTEXT_RANGE  # live lengths in the first context range and two ranges further
+
+
+def test_context_ranges_are_the_first_range_then_each_4x_longer():
+    ranges = [context_range(n) for n in (0, 1, CONTEXT_RANGE, CONTEXT_RANGE + 1, 4 * CONTEXT_RANGE, LONG, LONG + 1)]
+    assert ranges == [0, 0, 0, 1, 1, 2, 3]
+
+
+def test_a_long_context_that_stops_paying_goes_plain_while_short_ones_keep_speculating():
+    """Short and long rows take turns: every cycle costs twice as much at the long context, and there the drafter
+    accepts nothing (short: every draft). Cycle times and acceptance kept per context range: within a few long
+    segments the long rows run plain decoding while the short ones still run the chain (one acceptance and one time
+    for both would run one shape for both)."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    for rows in (1, 2):
+        policy.calibrate(PLAIN, rows, 0.01)
+        policy.calibrate(CHAIN, rows, 0.02)
+    policy.prior([0.9] * NUM_STEPS)
+    chosen = {SHORT: [], LONG: []}
+    for _ in range(40):
+        for context, accepted, cost in ((SHORT, NUM_STEPS, 1.0), (LONG, 0, 2.0)):
+            shape = policy.choose(2, 2, context)
+            chosen[context].append(shape)
+            loop.run(policy, shape, cost * (0.02 if shape.num_steps else 0.01), accepted, context=context)
+    assert chosen[SHORT].count(PLAIN) <= 2 and chosen[SHORT][-1] == CHAIN, chosen[SHORT]
+    assert chosen[LONG][:10].count(CHAIN) <= 5 and chosen[LONG][10:].count(CHAIN) <= 1, chosen[LONG]
+    assert policy.acceptance(LONG)[0] < 0.5 < 0.9 < policy.acceptance(SHORT)[0]
+
+
+def test_a_context_range_not_measured_yet_is_predicted_from_the_nearest_one():
+    """A new range costs no learning segments: each shape's T there is its T at the nearest measured range, scaled
+    by how much the shapes measured in both changed (here plain decoding, 3x); its acceptance is the overall one."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    policy.calibrate(PLAIN, 2, 0.01)
+    policy.calibrate(CHAIN, 2, 0.02)
+    policy.prior([0.7] * NUM_STEPS)
+    e = 1 + sum(0.7 ** (j + 1) for j in range(NUM_STEPS))
+    assert policy.predict(CHAIN, 2, 2, LONG) == pytest.approx(2 * e / 0.02)  # nothing measured there: as short
+    assert policy.choose(2, 2, LONG) == CHAIN  # E / 2 > 1: no learning segment
+    loop.run(policy, PLAIN, 0.03, 0, context=LONG)  # plain decoding timed at the long context: 3x
+    assert policy.predict(CHAIN, 2, 2, LONG) == pytest.approx(2 * e / 0.06)
+    assert policy.predict(CHAIN, 2, 2, SHORT) == pytest.approx(2 * e / 0.02)
+    assert policy.predict(CHAIN, 2, 2, 4 * LONG) == pytest.approx(2 * e / 0.06)  # the nearest range: LONG's
