@@ -32,10 +32,10 @@ class PlainOnly:
     def __init__(self, plain):
         self.plain = plain
 
-    def choose(self, rows: int, generating: int):
+    def choose(self, rows: int, generating: int, context: int = 0):
         return self.plain
 
-    def observe(self, segment, counters, seconds) -> None:
+    def observe(self, segment, counters, seconds, context: int = 0) -> None:
         pass
 
     def feeds_drafter(self) -> bool:
