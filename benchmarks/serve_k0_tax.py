@@ -38,7 +38,7 @@ class PlainOnly:
     def observe(self, segment, counters, seconds, context: int = 0) -> None:
         pass
 
-    def feeds_drafter(self) -> bool:
+    def feeds_drafter(self, context: int = 0) -> bool:
         return False
 
     def admitted(self, fed: bool) -> None:

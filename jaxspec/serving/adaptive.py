@@ -33,10 +33,11 @@ after a few segments). Learning what a shape costs costs time where it loses, so
   otherwise). A candidate at x = its prediction / the best's then takes about EXPLORE_SHARE x x of the time and
   loses 1 - x of it: exploring costs at most EXPLORE_SHARE / 4 of the throughput, and the worse a shape looks, the
   less often it is tried.
-A row admitted while every chain is predicted below FEED x plain decoding's throughput, at every row bucket where
-both were timed, is not fed the drafter at prefill (`feeds_drafter`): its prefill runs the drafter over the prompt's
-last position only (the drafter's prefill over the whole prompt is a cost paid for chains that would not run; on the
-bundled pair it is 25% of a prompt's prefill). Chains on such a row draft with no drafter entries for its prompt:
+A row admitted while every chain is predicted below FEED x plain decoding's throughput in its prompt's context range,
+at every row bucket where both were timed, is not fed the drafter at prefill (`feeds_drafter`): its prefill runs the
+drafter over the prompt's last position only (the drafter's prefill over the whole prompt is a cost paid for chains
+that would not run; on the bundled pair it is 25% of a prompt's prefill, and a long prompt's prefill is most of its
+request's time). Chains on such a row draft with no drafter entries for its prompt:
 lossless, at a lower acceptance, which a re-measuring chain then also sees; so every FEED_EVERY-th admission is fed
 all the same, and chains keep measuring the drafter as it is on traffic that changes.
 """
@@ -182,26 +183,25 @@ class DraftPolicy:
         self.predicted = self.predict(shape, rows, generating, context)
         return shape
 
-    def feeds_drafter(self) -> bool:
-        """Whether a row admitted now is fed the drafter at prefill: not when every chain is predicted below FEED x
-        plain decoding at every row bucket and context range where both were timed, unless the last FEED_EVERY - 1
-        admissions (`admitted`) were not fed either."""
-        return self._drafter_pays() or self._unfed >= FEED_EVERY - 1
+    def feeds_drafter(self, context: int = 0) -> bool:
+        """Whether a row admitted now, its prompt `context` tokens long, is fed the drafter at prefill: not when every
+        chain is predicted below FEED x plain decoding in that prompt's context range at every row bucket where both
+        were timed, unless the last FEED_EVERY - 1 admissions (`admitted`) were not fed either."""
+        return self._drafter_pays(context) or self._unfed >= FEED_EVERY - 1
 
     def admitted(self, fed: bool) -> None:
         """A row was admitted, fed the drafter at prefill or not."""
         self._unfed = 0 if fed else self._unfed + 1
 
-    def _drafter_pays(self) -> bool:
-        """Some chain predicted at FEED x plain decoding's throughput or more at some (bucket, range) where both were
-        timed, or no such bucket yet."""
+    def _drafter_pays(self, context: int) -> bool:
+        """Some chain predicted at FEED x plain decoding's throughput or more, `context` positions long, at some
+        bucket where both were timed, or no such bucket yet."""
         plain = [s for s in self.shapes if s.plain]
         chains = [s for s in self.shapes if not s.plain]
         if not plain or not chains:
             return True
         compared = False
-        for rows, span in {(rows, span) for _, rows, span in self.cycle_seconds}:
-            context = CONTEXT_RANGE << 2 * span  # a length in the range
+        for rows in {rows for _, rows, _ in self.cycle_seconds}:
             base = self.predict(plain[0], rows, 1, context)
             drafted = [self.predict(s, rows, 1, context) for s in chains]
             if base is None or None in drafted:
@@ -253,7 +253,7 @@ class Calibration:
     def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
         return self.shape
 
-    def feeds_drafter(self) -> bool:
+    def feeds_drafter(self, context: int = 0) -> bool:
         return True
 
     def admitted(self, fed: bool) -> None:

@@ -292,7 +292,7 @@ class Scheduler:
             have = len(request.tokens) - len(given)
             prompt = (*request.prompt, *request.tokens[:have])
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
-            drafter = self.policy.feeds_drafter()
+            drafter = self.policy.feeds_drafter(len(prompt))
             reach = self._next_reach(request)
             cached = self.tables.admit(row, prompt, reach, lookup=not request.echo, drafter=drafter)
             if cached is None:

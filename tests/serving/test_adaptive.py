@@ -49,7 +49,7 @@ class Scripted:
     def observe(self, segment, counters, seconds, context):
         pass
 
-    def feeds_drafter(self):
+    def feeds_drafter(self, context):
         return self.feed
 
     def admitted(self, fed):
@@ -375,6 +375,23 @@ def test_a_long_context_that_stops_paying_goes_plain_while_short_ones_keep_specu
     assert policy.acceptance(LONG)[0] < 0.5 < 0.9 < policy.acceptance(SHORT)[0]
 
 
+def test_a_long_prompt_is_not_fed_the_drafter_where_chains_do_not_pay_at_long_contexts():
+    """Whether a row is fed the drafter at prefill is decided in its prompt's context range: the chain accepts every
+    draft at short contexts and nothing at long ones (where its cycle also costs 2x): a short prompt is fed, a long
+    one is not (but for every FEED_EVERY-th admission)."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    for shape, accepted, context, seconds_per_cycle in [(CHAIN, 0, LONG, 0.04)] * 10 + [(PLAIN, 0, LONG, 0.02)] * 2:
+        loop.run(policy, shape, seconds_per_cycle, accepted, context=context)
+    for shape, seconds_per_cycle in [(CHAIN, 0.02)] * 10 + [(PLAIN, 0.01)] * 2:
+        loop.run(policy, shape, seconds_per_cycle, NUM_STEPS, context=SHORT)
+    assert policy.feeds_drafter(SHORT) and policy.feeds_drafter(SHORT + CONTEXT_RANGE)  # the nearest range: short
+    fed = []
+    for _ in range(FEED_EVERY):
+        fed.append(policy.feeds_drafter(LONG))
+        policy.admitted(fed[-1])
+    assert fed == [False] * (FEED_EVERY - 1) + [True]
+
+
 def test_a_context_range_not_measured_yet_is_predicted_from_the_nearest_one():
     """A new range costs no learning segments: each shape's T there is its T at the nearest measured range, scaled
     by how much the shapes measured in both changed (here plain decoding, 3x); its acceptance is the overall one."""
@@ -389,3 +406,4 @@ def test_a_context_range_not_measured_yet_is_predicted_from_the_nearest_one():
     assert policy.predict(CHAIN, 2, 2, LONG) == pytest.approx(2 * e / 0.06)
     assert policy.predict(CHAIN, 2, 2, SHORT) == pytest.approx(2 * e / 0.02)
     assert policy.predict(CHAIN, 2, 2, 4 * LONG) == pytest.approx(2 * e / 0.06)  # the nearest range: LONG's
+
