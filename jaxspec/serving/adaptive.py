@@ -1,14 +1,16 @@
 """Adaptive speculation: per segment, the draft shape the cost model predicts fastest for the rows generating now.
 
 Plain Python (the scheduler's: no jax). The candidates are a few compiled shapes (plain decoding and one chain, as
-`jaxspec serve --num-steps auto` sets them) that all run on the executor's one loop state. What the policy learns,
+`jaxspec serve --num-steps auto` sets them, or plain decoding and a tree with --topk) that all run on the executor's
+one loop state. What the policy learns,
 online, from the executor's `StepResult`s:
 - per (shape, row bucket, context range), the seconds one cycle takes T: the median of the last RECENT measurements
   (segment seconds over the cycles it ran; a median, as one segment can take several times the others: the first run
   of a program, other work on the machine); no tune.json needed: the first segments measure it;
 - the drafter's conditional acceptance per draft position a_j: the per-position reached / accepted counters, decayed
   by DECAY per drafting segment (a chain's a_j is a property of the drafter on the traffic, not of its depth, so
-  every chain shares them), over all traffic and per context range.
+  every chain shares them; a tree's, how often depth j is accepted once reached, are its own: it is then the one
+  drafting candidate), over all traffic and per context range.
 The context range of a segment is `context_range` of its longest generating row's live length (prompt and tokens so
 far: what the scheduler knows, not the compiled context bucket): ranges of CONTEXT_RANGE positions, then each 4x
 longer. A cycle costs more as the context grows and a drafter accepts less far from what it was trained on, so a long
@@ -77,8 +79,12 @@ class DraftPolicy:
     generating (0: the first context range)."""
 
     def __init__(self, shapes: tuple[DraftShape, ...], cycles: int):
-        if not shapes or any(s.tree for s in shapes[1:]) or len(set(shapes)) != len(shapes):
-            raise ValueError(f"DraftPolicy.shapes: expected distinct shapes (chains when several), got {shapes}")
+        beside_tree = any(s.tree for s in shapes) and sum(not s.plain for s in shapes) > 1
+        if not shapes or beside_tree or len(set(shapes)) != len(shapes):
+            raise ValueError(
+                f"DraftPolicy.shapes: expected distinct shapes (several: chains, or plain decoding and a tree), got "
+                f"{shapes}"
+            )
         self.shapes, self.cycles = shapes, cycles
         self.depth = max(s.num_steps for s in shapes)
         self.cycle_seconds: dict[tuple[DraftShape, int, int], float] = {}  # (shape, row bucket, range) -> T

@@ -407,3 +407,23 @@ def test_a_context_range_not_measured_yet_is_predicted_from_the_nearest_one():
     assert policy.predict(CHAIN, 2, 2, SHORT) == pytest.approx(2 * e / 0.02)
     assert policy.predict(CHAIN, 2, 2, 4 * LONG) == pytest.approx(2 * e / 0.06)  # the nearest range: LONG's
 
+
+TREE = DraftShape(NUM_STEPS, topk=2, num_draft_tokens=6)
+
+
+@pytest.mark.parametrize(("accepted", "tree_cost", "best"), [(3, 3.0, TREE), (1, 3.0, PLAIN), (2, 2.5, TREE)])
+def test_a_tree_is_a_candidate_beside_plain_decoding_with_its_own_acceptance(accepted, tree_cost, best):
+    """With a tree compiled (`--num-steps auto --topk N`) the candidates are plain decoding and the tree (a chain
+    keeps another draft state: not beside a tree). Without a recorded acceptance the tree runs one segment to measure
+    its own a_j per depth; then the cost model's n E / T: a tree accepting `accepted` nodes per cycle yields
+    accepted + 1 tokens per cycle at `tree_cost` times a plain cycle."""
+    with pytest.raises(ValueError, match="DraftPolicy.shapes"):
+        DraftPolicy((PLAIN, CHAIN, TREE), cycles=4)
+    policy, loop = DraftPolicy((PLAIN, TREE), cycles=4), Loop()
+    policy.calibrate(PLAIN, 2, 0.01)
+    policy.calibrate(TREE, 2, 0.01 * tree_cost)
+    assert policy.choose(2, 2) == TREE
+    loop.run(policy, TREE, 0.01 * tree_cost, accepted)
+    assert policy.choose(2, 2) == best
+    tokens, cost = (1 + accepted, tree_cost) if best.tree else (1, 1)
+    assert policy.predicted == pytest.approx(2 * tokens / (0.01 * cost))
