@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class PlainOnly:
     """A DraftPolicy stand-in: every segment plain decoding, no row fed the drafter."""
 
-    predicted = None
+    predicted, probing = None, False
 
     def __init__(self, plain):
         self.plain = plain

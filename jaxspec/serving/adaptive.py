@@ -25,7 +25,8 @@ bucket timed at warm-up (`calibrate`: the engine runs every compiled shape over 
 after compiling it, a calibration measurement standing for FIRST online ones), and the drafter's recorded acceptance
 (`prior`: tune.json's measured a_j, worth PRIOR_ROW_CYCLES row-cycles of counters, which the online counters outweigh
 after a few segments). Learning what a shape costs costs time where it loses, so:
-- a chain whose acceptance nothing has measured or given runs first (one drafting segment measures it);
+- a chain whose acceptance nothing has measured or given runs first (one drafting segment measures it; where its
+  cycle time is known, the warm-up's, a probe of one cycle: `probing`, a segment that is timed as no other);
 - a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there (and not calibrated)
   runs again unless it is predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING
   times too slow to hide the fastest shape); the candidates timed fewest times run first, so their measurements
@@ -94,6 +95,7 @@ class DraftPolicy:
         self._idle: dict[tuple[DraftShape, int, int], float] = {}  # seconds of a (bucket, range)'s segments since
         self._last: Counters | None = None
         self.predicted: float | None = None  # tokens/s predicted for the last chosen segment (None: not yet timed)
+        self.probing = False  # the last chosen segment measures a timed shape's acceptance alone: one cycle will do
         self._expected: dict[tuple[int, int], float] = {}  # (draft depth, range) -> E under the current counters
         self._unfed = 0  # admissions not fed the drafter in a row
         self._calibrated: set[tuple[DraftShape, int]] = set()  # (shape, row bucket) timed at warm-up
@@ -179,7 +181,9 @@ class DraftPolicy:
         ]
         if learning:
             shape = min(learning, key=timed.get)  # the first of the fewest timed
+            self.probing = timed[shape] > 0 and unmeasured and not shape.plain
         else:
+            self.probing = False
             shape, span = max(self.shapes, key=predicted.get), context_range(context)
             for other in self.shapes:
                 segment = self._cycle(other, rows, span) * self.cycles * best / predicted[other]
@@ -227,7 +231,8 @@ class DraftPolicy:
             return
         span = context_range(context)
         if seconds is not None:
-            self._measured((segment.draft, segment.rows, span), seconds / delta.cycles)
+            if segment.cycles >= self.cycles:  # a probe's time is mostly what a segment pays once (catch-up, calls)
+                self._measured((segment.draft, segment.rows, span), seconds / delta.cycles)
             for shape in self.shapes:
                 idle = (shape, segment.rows, span)
                 self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
@@ -249,7 +254,7 @@ class Calibration:
     """The scheduler's policy during the warm-up's calibration: every segment runs `shape` (set by the caller), every
     row is fed the drafter, and each segment that ran only cycles is timed per cycle by (shape, row bucket)."""
 
-    predicted = None
+    predicted, probing = None, False
 
     def __init__(self, shape: DraftShape):
         self.shape = shape

@@ -349,8 +349,8 @@ class Scheduler:
 
     def _segment(self, rows: int, generating: int) -> Segment:
         """A segment over the smallest row bucket >= `rows` and context bucket covering `_context_need`, drafting the
-        policy's shape for these rows and the live length of the longest, static-greedy while every occupied row is
-        greedy (and the config allows it), else per-row."""
+        policy's shape for these rows and the live length of the longest (one cycle when the policy probes),
+        static-greedy while every occupied row is greedy (and the config allows it), else per-row."""
         cfg = self.config
         b = next(b for b in cfg.buckets if b >= rows)
         generating_rows = [t.request for t in self.slots if t is not None and t.next_chunk is None]
@@ -358,7 +358,7 @@ class Scheduler:
         draft = self.policy.choose(b, generating, self._segment_context)
         s = next(s for s in cfg.contexts if s >= self._context_need(draft))
         greedy = cfg.greedy_program and all(s is None or _greedy_program_serves(s.request) for s in self.slots)
-        return Segment(b, s, draft, greedy, cfg.segment_cycles)
+        return Segment(b, s, draft, greedy, 1 if self.policy.probing else cfg.segment_cycles)
 
     def _context_need(self, draft: DraftShape) -> int:
         """Positions the next segment can touch: every generating row's end plus what its cycles can write (capped by

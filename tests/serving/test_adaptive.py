@@ -38,7 +38,7 @@ CONFIG = dataclasses.replace(ENGINE_CONFIG, adaptive=True)
 class Scripted:
     """A DraftPolicy stand-in: the segments' shapes in a fixed cycle."""
 
-    predicted = None
+    predicted, probing = None, False
 
     def __init__(self, shapes):
         self.shapes = itertools.cycle(shapes)
@@ -213,8 +213,8 @@ def row_draft_cache(executor: Executor, row: int):
 
 
 # ---------------------------------------------------------------------- the policy alone (plain Python)
-def segment(draft: DraftShape, rows: int = 2) -> Segment:
-    return Segment(rows, 64, draft, False, 4)
+def segment(draft: DraftShape, rows: int = 2, cycles: int = 4) -> Segment:
+    return Segment(rows, 64, draft, False, cycles)
 
 
 class Loop:
@@ -223,18 +223,17 @@ class Loop:
     def __init__(self):
         self.counters = Counters(0, (0, 0, 0), (0, 0, 0), (0, 0, 0, 0))
 
-    def run(
-        self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, rows: int = 2, context=0
-    ):
-        """One segment of 4 cycles over `rows` rows, each accepting `accepted` drafts of a chain, the longest `context`
-        positions long."""
-        c, k, n = self.counters, draft.num_steps, 4 * rows
+    def run(self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, **segment_of):
+        """One segment of 4 cycles (`cycles`) over 2 rows (`rows`), each accepting `accepted` drafts of a chain, the
+        longest `context` positions long."""
+        rows, context, cycles = (segment_of.get(name, d) for name, d in (("rows", 2), ("context", 0), ("cycles", 4)))
+        c, k, n = self.counters, draft.num_steps, cycles * rows
         a = min(accepted, k)
         reached = tuple(r + (n if j < k and j <= a else 0) for j, r in enumerate(c.reached))
         acc = tuple(x + (n if j < a else 0) for j, x in enumerate(c.accepted))
         hist = tuple(h + (n if t == a else 0) for t, h in enumerate(c.accept_hist))
-        self.counters = Counters(c.cycles + 4, reached, acc, hist)
-        policy.observe(segment(draft, rows), self.counters, 4 * seconds_per_cycle, context)
+        self.counters = Counters(c.cycles + cycles, reached, acc, hist)
+        policy.observe(segment(draft, rows, cycles), self.counters, cycles * seconds_per_cycle, context)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +249,7 @@ def test_the_policy_times_each_shape_first_then_runs_the_predicted_fastest(accep
     learning = [s for s, r in ((PLAIN, plain), (CHAIN, chain)) if r >= LOSING * max(chain, plain)]
     for expected in [PLAIN, CHAIN] + learning * (FIRST - 1):
         shape = policy.choose(2, 2)
-        assert shape == expected
+        assert shape == expected and not policy.probing  # not timed yet: a whole segment
         loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted)
     assert policy.choose(2, 2) == best
     tokens, cost = (1 + accepted, chain_cost) if best.num_steps else (1, 1)
@@ -284,13 +283,15 @@ def test_a_calibrated_policy_with_a_recorded_acceptance_runs_the_predicted_best_
 
 
 def test_a_calibrated_policy_without_a_recorded_acceptance_drafts_once_to_measure_it():
-    """Times known, acceptance not: the chain runs one segment (its acceptance measured), then the predicted best."""
+    """Times known, acceptance not: the chain runs a probe of one cycle (its acceptance measured; its time, mostly
+    what a segment pays once, not taken for a cycle's), then the predicted best."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
     policy.calibrate(PLAIN, 2, 0.01)
     policy.calibrate(CHAIN, 2, 0.02)
-    assert policy.choose(2, 2) == CHAIN
-    loop.run(policy, CHAIN, 0.02, accepted=0)
-    assert policy.choose(2, 2) == PLAIN
+    assert policy.choose(2, 2) == CHAIN and policy.probing
+    loop.run(policy, CHAIN, 0.5, accepted=0, cycles=1)
+    assert policy.choose(2, 2) == PLAIN and not policy.probing
+    assert policy.cycle_seconds[CHAIN, 2, 0] == 0.02
     with pytest.raises(ValueError, match="DraftPolicy.calibrate"):
         policy.calibrate(DraftShape(NUM_STEPS + 1), 2, 0.01)
 

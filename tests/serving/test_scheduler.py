@@ -504,7 +504,7 @@ def test_the_import_contract_catches_jax_in_the_scheduler(tmp_path):
 class Recording:
     """A DraftPolicy stand-in that drafts `CHAIN` and records the context it is asked about and told of."""
 
-    predicted = None
+    predicted, probing = None, False
 
     def __init__(self):
         self.chosen, self.observed = [], []
@@ -540,3 +540,6 @@ def test_the_policy_is_asked_with_the_longest_generating_rows_live_length():
             want.append(max(len(r.prompt) + len(r.tokens) for r in generating))
         scheduler.update(executor.run(plan))
     assert policy.chosen == want == policy.observed and max(want) > 30 + 1 and min(want) < 30
+    policy.probing = True  # a probe: one cycle
+    scheduler.submit(Request([1] * 5, 20, RowSpec(seed=3)))
+    assert [step(scheduler, executor)[0].segment for _ in range(2)][1].cycles == 1
