@@ -60,7 +60,9 @@ FIRST = 3  # measurements of every candidate at a bucket before the policy choos
 LOSING = 0.5  # a candidate predicted below this fraction of the best one's is not measured FIRST times
 DECAY = 0.9  # weight of the acceptance counters before a drafting segment's
 EXPLORE_SHARE = 0.02  # time share re-measuring a candidate predicted as fast as the chosen one (less if slower)
-FEED = 0.8  # rows are fed the drafter at prefill unless every chain is predicted below this fraction of plain's
+FEED = 1.0  # rows are fed the drafter at prefill when some chain is predicted at this fraction of plain's or more
+# (1: where a chain is predicted to win; the drafter's prefill is about a quarter of a long prompt's, which a near
+# tie does not repay)
 FEED_EVERY = 8  # ... and then every FEED_EVERY-th admission all the same
 PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
 CONTEXT_RANGE = 256  # the first context range's longest live length; each next range is 4x longer
