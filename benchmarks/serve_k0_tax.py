@@ -27,18 +27,18 @@ ROOT = Path(__file__).resolve().parent.parent
 class PlainOnly:
     """A DraftPolicy stand-in: every segment plain decoding, no row fed the drafter."""
 
-    predicted = None
+    predicted, probing = None, False
 
     def __init__(self, plain):
         self.plain = plain
 
-    def choose(self, rows: int, generating: int):
+    def choose(self, rows: int, generating: int, context: int = 0):
         return self.plain
 
-    def observe(self, segment, counters, seconds) -> None:
+    def observe(self, segment, counters, seconds, context: int = 0) -> None:
         pass
 
-    def feeds_drafter(self) -> bool:
+    def feeds_drafter(self, context: int = 0) -> bool:
         return False
 
     def admitted(self, fed: bool) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -92,10 +93,11 @@ def test_serve_tree_flags_reach_the_engine_config_and_are_checked_before_loading
 
 def test_serve_num_steps_auto_is_adaptive_over_plain_and_the_recommended_chain(tmp_path):
     """`serve --num-steps auto` (its default): adaptive, the chain's depth from tune.json (the bundled pair's committed
-    one: 4), 3 without one, plain decoding alone without a drafter; refused with a tree's --topk, before loading."""
+    one: 4), 3 without one, plain decoding alone without a drafter; with --topk a tree of that depth (the engine's
+    candidates: plain decoding and the tree), its prior the tree's own recorded acceptance."""
     import argparse
 
-    from jaxspec.cli.serve import _num_steps
+    from jaxspec.cli.serve import _engine_config, _num_steps, _recorded_acceptance
 
     args = lambda **kw: argparse.Namespace(**({"num_steps": "auto", "topk": 1, "drafter": "d", "tune": None} | kw))
     assert _num_steps(args(), bundled=True) == (4, True)
@@ -104,8 +106,15 @@ def test_serve_num_steps_auto_is_adaptive_over_plain_and_the_recommended_chain(t
     assert _num_steps(args(num_steps="2"), bundled=True) == (2, False)
     with pytest.raises(SystemExit, match="not found"):
         _num_steps(args(tune=tmp_path), bundled=True)
-    with pytest.raises(SystemExit, match="drop --topk"):
-        main(["serve", "--topk", "2"])
+    assert _num_steps(args(topk=2), bundled=True) == (4, True)
+    flags = build_parser().parse_args(["serve", "--topk", "2", "--num-draft-tokens", "8"])
+    tree = DraftShape(4, 2, 8)
+    assert _engine_config(flags, 4, True).shapes == (DraftShape(0), tree)
+    trees = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tune_bundled_trees" / "tune.json"
+    assert _recorded_acceptance(trees, DraftShape(3, 2, 5)) == pytest.approx([0.9286, 0.9111, 0.4987], abs=1e-4)
+    assert len(_recorded_acceptance(trees, tree)) == 4
+    assert _recorded_acceptance(trees, DraftShape(4, 3, 8)) is None  # not measured: the tree runs a segment first
+    assert len(_recorded_acceptance(trees)) == len(_recorded_acceptance(trees, DraftShape(4))) > 0  # the chains'
 
 
 def test_train_drafter_is_a_subcommand_and_checks_its_input(tmp_path):

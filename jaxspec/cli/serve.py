@@ -22,6 +22,7 @@ from jaxspec.cli.args import (
     recommended_shape,
     use_bundled_pair,
 )
+from jaxspec.decoding.draft_shape import DraftShape
 
 log = logging.getLogger("jaxspec.serving")
 HELP = "OpenAI-compatible HTTP server: continuous batching with speculative decoding"
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         auto_help="per segment, plain decoding or a chain, whichever the engine's cost model predicts faster for the "
         "rows generating then (from segment times and acceptance it measures while serving); the chain's depth is "
-        "the one --tune DIR/tune.json recommends (for the bundled pair its committed tuning result), else 3",
+        "the one --tune DIR/tune.json recommends (for the bundled pair its committed tuning result), else 3; with "
+        "--topk, a tree of that depth instead of the chain",
     )
     add_tree_args(p)
     add_engine_args(p)
@@ -167,7 +169,7 @@ def _engine_fields(args: argparse.Namespace) -> dict:
 
 def _num_steps(args, bundled: bool) -> tuple[int, bool]:
     """(num_steps, adaptive) of --num-steps: an integer, or 'auto' (adaptive, over plain decoding and a chain of the
-    depth tune.json recommends, else 3; plain decoding alone without a drafter)."""
+    depth tune.json recommends, else 3; with --topk a tree of that depth; plain decoding alone without a drafter)."""
     if args.num_steps != "auto":
         try:
             return int(args.num_steps), False
@@ -175,14 +177,13 @@ def _num_steps(args, bundled: bool) -> tuple[int, bool]:
             raise SystemExit(
                 f"jaxspec serve: --num-steps expects an integer or 'auto', got {args.num_steps!r}"
             ) from None
-    if args.topk != 1:
-        raise SystemExit("jaxspec serve: --num-steps auto switches between plain decoding and a chain: drop --topk")
     if not args.drafter:
         log.info("--num-steps auto without --drafter: plain decoding")
         return 0, False
     path = _tune_json(args, bundled)
     k = recommended_shape(path).num_steps if path is not None else 3
-    log.info("--num-steps auto: per segment, plain decoding or a chain of k = %d (%s)", k, path or "no --tune")
+    draft = f"a tree of depth {k} and top-{args.topk}" if args.topk != 1 else f"a chain of k = {k}"
+    log.info("--num-steps auto: per segment, plain decoding or %s (%s)", draft, path or "no --tune")
     return k, True
 
 
@@ -198,12 +199,18 @@ def _tune_json(args, bundled: bool) -> Path | None:
     return path
 
 
-def _recorded_acceptance(path: Path | None) -> list[float] | None:
-    """The drafter's conditional acceptance per draft position that tune.json measured (its deepest chain's), the
-    adaptive policy's prior; None without a tune.json or a measured chain."""
+def _recorded_acceptance(path: Path | None, draft: DraftShape | None = None) -> list[float] | None:
+    """The drafter's conditional acceptance per draft position that tune.json measured for `draft` (a chain or None:
+    its deepest chain's, as every chain's a_j are the drafter's; a tree: that tree's own), the adaptive policy's
+    prior; None without a tune.json or such a measurement."""
     if path is None:
         return None
-    rows = [r for r in json.loads(path.read_text()).get("rows", []) if r.get("measured_acceptance")]
+    record = json.loads(path.read_text())
+    if draft is not None and draft.tree:
+        rows = [r for r in record.get("tree_rows", []) if DraftShape.from_dict(r) == draft]
+    else:
+        rows = record.get("rows", [])
+    rows = [r for r in rows if r.get("measured_acceptance")]
     return max(rows, key=lambda r: len(r["measured_acceptance"]))["measured_acceptance"] if rows else None
 
 
@@ -244,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         if jax.process_index() != 0:
             return _follow(target, drafter, config, tokenizer.stop_ids, channel)
     metrics = Metrics(config.draft, config.max_batch, pool_blocks=config.pool_blocks)
-    acceptance = _recorded_acceptance(_tune_json(args, bundled)) if adaptive else None
+    acceptance = _recorded_acceptance(_tune_json(args, bundled), config.draft) if adaptive else None
     engine = Engine(
         target, drafter, config, stop_ids=tokenizer.stop_ids, metrics=metrics, channel=channel, acceptance=acceptance
     )

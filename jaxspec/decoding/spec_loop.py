@@ -154,7 +154,7 @@ class SpecLoop:
     def _run_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, max_cycles):
         """Run cycles until every sequence is done or `max_cycles` more cycles ran (for streaming)."""
         self.traces += 1
-        if cfg.num_steps and state.drafted_B is not None and not cfg.tree:
+        if cfg.num_steps and state.drafted_B is not None:
             state = self._catch_up(cfg, dparams, state)
         limit = state.cycles + max_cycles
 
@@ -165,8 +165,9 @@ class SpecLoop:
 
     def _catch_up(self, cfg: LoopConfig, dparams, s: LoopState) -> LoopState:
         """A lazy drafter behind its rows (plain cycles ran): draft-extend over the positions [drafted_B, length_B)
-        with the target states plain cycles kept, num_steps + 1 positions per step (the slots a chain's own
-        draft-extend writes), until every running row's draft, q and hidden state are current at its length."""
+        with the target states plain cycles kept, num_steps + 1 positions per step (the slots a cycle's own
+        draft-extend writes), until every running row's draft, q and hidden state are current at its length (a
+        tree's: its next root's logits, in draft_q_BV, and hidden state)."""
         W, sampling = cfg.num_steps + 1, _sampling(cfg, s)
         S = s.tokens_BS.shape[1]
         behind = lambda s: ~s.done_B & (s.drafted_B < s.length_B)
@@ -177,11 +178,17 @@ class SpecLoop:
             pos_BT = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
             tokens_BT = jnp.take_along_axis(s.tokens_BS, jnp.minimum(pos_BT + 1, S - 1), axis=1)
             aux_BTI = jnp.take_along_axis(s.aux_BSI, jnp.minimum(pos_BT, S - 1)[:, :, None], axis=1)
-            key, (extend_key,) = _draws(s.key, 1, EXTEND, s.length_B)
             last_B = jnp.clip(s.length_B - 1 - start_B, 0, W - 1)
-            d_B, q_BV, h2_BD, dcache = draft_extend(
-                self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, s.draft_cache, last_B, extend_key, sampling
-            )
+            key, d_B = s.key, s.draft_B
+            if cfg.tree:  # a tree drafts deterministically from the root's logits: no draw
+                q_BV, h2_BD, dcache = extend_logits(
+                    self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, s.draft_cache, last_B
+                )
+            else:
+                key, (extend_key,) = _draws(s.key, 1, EXTEND, s.length_B)
+                d_B, q_BV, h2_BD, dcache = draft_extend(
+                    self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, s.draft_cache, last_B, extend_key, sampling
+                )
             done_B = go_B & (s.length_B - start_B <= W)  # caught up in this step
             return s.replace(
                 draft_cache=dcache,
@@ -318,6 +325,9 @@ class SpecLoop:
         root_BU, h2_BD, dcache = extend_logits(
             self.drafter, dparams, emitted_BT, concat_captured(path_XBTD), pos_BT, s.draft_cache, accepted_B
         )
+        lazy = {}
+        if s.drafted_B is not None:  # the drafter is current again
+            lazy = dict(drafted_B=jnp.where(active_B, committed.length_B, s.drafted_B))
         return committed.replace(
             target_cache=tcache,
             draft_cache=dcache,
@@ -325,6 +335,7 @@ class SpecLoop:
             hidden_BD=jnp.where(active_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
             key=key,
             **count_acceptance(J, s, accepted_B, active_B),
+            **lazy,
         )
 
 

@@ -112,9 +112,10 @@ class LoopState:
     # Logprobs (a state built with `logprobs`): at each position p the target's raw scores of token p + 1 (so token
     # i's are at i - 1; programs with LoopConfig.logprobs write them for the rows whose settings ask).
     logprobs: Logprobs | None = struct.field(default=None, **_axes(0, 1))
-    # Lazy drafter (a state built with `lazy_drafter`, for plain and chain programs on one state): the captured target
-    # states at each position [B, S, X*D] that plain cycles keep, and how far the drafter has run (int32 [B]: its cache,
-    # draft_B, draft_q_BV and hidden_BD are current when drafted_B == length_B; a chain program first catches up).
+    # Lazy drafter (a state built with `lazy_drafter`, for plain and drafting programs on one state): the captured
+    # target states at each position [B, S, X*D] that plain cycles keep, and how far the drafter has run (int32 [B]: its
+    # cache, draft_B, draft_q_BV and hidden_BD are current when drafted_B == length_B; a drafting program first catches
+    # up).
     aux_BSI: jax.Array | None = struct.field(default=None, **_axes(0, 1))
     drafted_B: jax.Array | None = struct.field(default=None, **_axes(0))
 
@@ -139,8 +140,8 @@ class LoopState:
         mesh. `per_row`: per-row sampling (greedy), stop ids (none) and keys (split from seed `seed`, until a
         request is admitted there); else one key from `seed`. `greedy`: every program run on this state is greedy,
         so a chain keeps no draft distribution. `logprobs` (per-row only): the logprob buffers (`Logprobs`, 164
-        bytes per position and row). The drafter's cache exists when the draft uses the drafter; `lazy_drafter` (a
-        chain): the fields that let plain cycles leave the drafter behind (aux_BSI, drafted_B). Without `caches`
+        bytes per position and row). The drafter's cache exists when the draft uses the drafter; `lazy_drafter`:
+        the fields that let plain cycles leave the drafter behind (aux_BSI, drafted_B). Without `caches`
         neither cache is made (None): the serving executor keeps them in its pool of blocks."""
         use_drafter = drafter is not None and not draft.plain
         D = drafter.config.hidden_size if use_drafter else 1
@@ -157,7 +158,7 @@ class LoopState:
         draft_cache = drafter.init_cache(batch, context) if use_drafter and caches else None
         target_cache = target.init_cache(batch, context) if caches else None
         lazy = {}
-        if lazy_drafter and use_drafter and not draft.tree:
+        if lazy_drafter and use_drafter:
             width = len(drafter.capture_layers) * drafter.config.target_hidden_size
 
             def make():

@@ -1,14 +1,23 @@
 """Adaptive speculation: per segment, the draft shape the cost model predicts fastest for the rows generating now.
 
 Plain Python (the scheduler's: no jax). The candidates are a few compiled shapes (plain decoding and one chain, as
-`jaxspec serve --num-steps auto` sets them) that all run on the executor's one loop state. What the policy learns,
+`jaxspec serve --num-steps auto` sets them, or plain decoding and a tree with --topk) that all run on the executor's
+one loop state. What the policy learns,
 online, from the executor's `StepResult`s:
-- per (shape, row bucket), the seconds one cycle takes T: the median of the last RECENT measurements (segment
-  seconds over the cycles it ran; a median, as one segment can take several times the others: the first run of a
-  program, other work on the machine); no tune.json needed: the first segments measure it;
+- per (shape, row bucket, context range), the seconds one cycle takes T: the median of the last RECENT measurements
+  (segment seconds over the cycles it ran; a median, as one segment can take several times the others: the first run
+  of a program, other work on the machine); no tune.json needed: the first segments measure it;
 - the drafter's conditional acceptance per draft position a_j: the per-position reached / accepted counters, decayed
   by DECAY per drafting segment (a chain's a_j is a property of the drafter on the traffic, not of its depth, so
-  every chain shares them).
+  every chain shares them; a tree's, how often depth j is accepted once reached, are its own: it is then the one
+  drafting candidate), over all traffic and per context range.
+The context range of a segment is `context_range` of its longest generating row's live length (prompt and tokens so
+far: what the scheduler knows, not the compiled context bucket): ranges of CONTEXT_RANGE positions, then each 4x
+longer. A cycle costs more as the context grows and a drafter accepts less far from what it was trained on, so a long
+conversation can stop paying for speculation while short ones still do: each range is predicted from its own
+measurements, and a range not measured yet from the nearest one measured at that bucket (T scaled by how much the
+other shapes' T changed between the two ranges; a_j: the range's own counters with the overall a_j as a prior worth
+PRIOR_ROW_CYCLES row-cycles), so a new range starts from what is known and costs no learning segments.
 A segment over a bucket of rows, n of them generating, runs the shape of highest predicted throughput n E / T (the
 cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). A fresh server starts from what is known
 before its first request, so its first segments already run the predicted best: each shape's cycle time per row
@@ -16,7 +25,8 @@ bucket timed at warm-up (`calibrate`: the engine runs every compiled shape over 
 after compiling it, a calibration measurement standing for FIRST online ones), and the drafter's recorded acceptance
 (`prior`: tune.json's measured a_j, worth PRIOR_ROW_CYCLES row-cycles of counters, which the online counters outweigh
 after a few segments). Learning what a shape costs costs time where it loses, so:
-- a chain whose acceptance nothing has measured or given runs first (one drafting segment measures it);
+- a chain whose acceptance nothing has measured or given runs first (one drafting segment measures it; where its
+  cycle time is known, the warm-up's, a probe of one cycle: `probing`, a segment that is timed as no other);
 - a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there (and not calibrated)
   runs again unless it is predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING
   times too slow to hide the fastest shape); the candidates timed fewest times run first, so their measurements
@@ -26,10 +36,11 @@ after a few segments). Learning what a shape costs costs time where it loses, so
   otherwise). A candidate at x = its prediction / the best's then takes about EXPLORE_SHARE x x of the time and
   loses 1 - x of it: exploring costs at most EXPLORE_SHARE / 4 of the throughput, and the worse a shape looks, the
   less often it is tried.
-A row admitted while every chain is predicted below FEED x plain decoding's throughput, at every row bucket where
-both were timed, is not fed the drafter at prefill (`feeds_drafter`): its prefill runs the drafter over the prompt's
-last position only (the drafter's prefill over the whole prompt is a cost paid for chains that would not run; on the
-bundled pair it is 25% of a prompt's prefill). Chains on such a row draft with no drafter entries for its prompt:
+A row admitted while every chain is predicted below FEED x plain decoding's throughput in its prompt's context range,
+at every row bucket where both were timed, is not fed the drafter at prefill (`feeds_drafter`): its prefill runs the
+drafter over the prompt's last position only (the drafter's prefill over the whole prompt is a cost paid for chains
+that would not run; on the bundled pair it is 25% of a prompt's prefill, and a long prompt's prefill is most of its
+request's time). Chains on such a row draft with no drafter entries for its prompt:
 lossless, at a lower acceptance, which a re-measuring chain then also sees; so every FEED_EVERY-th admission is fed
 all the same, and chains keep measuring the drafter as it is on traffic that changes.
 """
@@ -49,27 +60,45 @@ FIRST = 3  # measurements of every candidate at a bucket before the policy choos
 LOSING = 0.5  # a candidate predicted below this fraction of the best one's is not measured FIRST times
 DECAY = 0.9  # weight of the acceptance counters before a drafting segment's
 EXPLORE_SHARE = 0.02  # time share re-measuring a candidate predicted as fast as the chosen one (less if slower)
-FEED = 0.8  # rows are fed the drafter at prefill unless every chain is predicted below this fraction of plain's
+FEED = 1.0  # rows are fed the drafter at prefill when some chain is predicted at this fraction of plain's or more
+# (1: where a chain is predicted to win; the drafter's prefill is about a quarter of a long prompt's, which a near
+# tie does not repay)
 FEED_EVERY = 8  # ... and then every FEED_EVERY-th admission all the same
 PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
+CONTEXT_RANGE = 256  # the first context range's longest live length; each next range is 4x longer
+
+
+def context_range(length: int) -> int:
+    """The context range of a live length: 0 up to CONTEXT_RANGE positions, then one more per 4x longer."""
+    span = 0
+    while length > CONTEXT_RANGE << 2 * span:
+        span += 1
+    return span
 
 
 class DraftPolicy:
     """Chooses each segment's draft shape among `shapes` (compiled candidates) and learns from what segments took;
-    `cycles`: the cycles of a segment."""
+    `cycles`: the cycles of a segment. `context` (choose, predict, observe): the longest live length of the rows
+    generating (0: the first context range)."""
 
     def __init__(self, shapes: tuple[DraftShape, ...], cycles: int):
-        if not shapes or any(s.tree for s in shapes[1:]) or len(set(shapes)) != len(shapes):
-            raise ValueError(f"DraftPolicy.shapes: expected distinct shapes (chains when several), got {shapes}")
+        beside_tree = any(s.tree for s in shapes) and sum(not s.plain for s in shapes) > 1
+        if not shapes or beside_tree or len(set(shapes)) != len(shapes):
+            raise ValueError(
+                f"DraftPolicy.shapes: expected distinct shapes (several: chains, or plain decoding and a tree), got "
+                f"{shapes}"
+            )
         self.shapes, self.cycles = shapes, cycles
         self.depth = max(s.num_steps for s in shapes)
-        self.cycle_seconds: dict[tuple[DraftShape, int], float] = {}  # (shape, row bucket) -> T
-        self._recent: dict[tuple[DraftShape, int], collections.deque] = {}
-        self.reached, self.accepted = np.zeros(self.depth), np.zeros(self.depth)  # decayed
-        self._idle: dict[tuple[DraftShape, int], float] = {}  # seconds of a bucket's segments since the shape ran
+        self.cycle_seconds: dict[tuple[DraftShape, int, int], float] = {}  # (shape, row bucket, range) -> T
+        self._recent: dict[tuple[DraftShape, int, int], collections.deque] = {}
+        self.reached, self.accepted = np.zeros(self.depth), np.zeros(self.depth)  # decayed, over every range
+        self._spans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # context range -> its (reached, accepted)
+        self._idle: dict[tuple[DraftShape, int, int], float] = {}  # seconds of a (bucket, range)'s segments since
         self._last: Counters | None = None
         self.predicted: float | None = None  # tokens/s predicted for the last chosen segment (None: not yet timed)
-        self._expected: dict[int, float] = {}  # draft depth -> E under the current counters (until they change)
+        self.probing = False  # the last chosen segment measures a timed shape's acceptance alone: one cycle will do
+        self._expected: dict[tuple[int, int], float] = {}  # (draft depth, range) -> E under the current counters
         self._unfed = 0  # admissions not fed the drafter in a row
         self._calibrated: set[tuple[DraftShape, int]] = set()  # (shape, row bucket) timed at warm-up
 
@@ -88,35 +117,61 @@ class DraftPolicy:
         self._last = counters
 
     def calibrate(self, shape: DraftShape, rows: int, seconds_per_cycle: float) -> None:
-        """A cycle time of `shape` over a bucket of `rows` rows measured before serving (warm-up): the policy trusts
-        it as FIRST online measurements (which then replace it)."""
+        """A cycle time of `shape` over a bucket of `rows` short rows (the first context range) measured before
+        serving (warm-up): the policy trusts it as FIRST online measurements (which then replace it)."""
         if shape not in self.shapes or not seconds_per_cycle > 0:
             raise ValueError(
                 f"DraftPolicy.calibrate: a positive time of one of {self.shapes}, got {shape}, {seconds_per_cycle}"
             )
-        key = (shape, rows)
-        self._recent.setdefault(key, collections.deque(maxlen=RECENT)).append(seconds_per_cycle)
-        self.cycle_seconds[key] = float(np.median(self._recent[key]))
-        self._calibrated.add(key)
+        self._measured((shape, rows, 0), seconds_per_cycle)
+        self._calibrated.add((shape, rows))
 
-    def acceptance(self) -> np.ndarray:
-        """The decayed a_j per draft position (NaN where never reached)."""
-        return conditional_acceptance(self.reached, self.accepted)
+    def acceptance(self, context: int | None = None) -> np.ndarray:
+        """The decayed a_j per draft position (NaN where never reached): over every context range, or in the range
+        of `context`: its own counters, with the overall a_j as a prior worth PRIOR_ROW_CYCLES row-cycles."""
+        overall = conditional_acceptance(self.reached, self.accepted)
+        if context is None or context_range(context) not in self._spans:
+            return overall
+        reached, accepted = self._spans[context_range(context)]
+        weight = np.where(np.isfinite(overall), PRIOR_ROW_CYCLES, 0.0)
+        return conditional_acceptance(reached + weight, accepted + weight * np.nan_to_num(overall))
 
-    def predict(self, shape: DraftShape, rows: int, generating: int) -> float | None:
-        """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating (None: not
-        timed there yet)."""
-        t = self.cycle_seconds.get((shape, rows))
+    def predict(self, shape: DraftShape, rows: int, generating: int, context: int = 0) -> float | None:
+        """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating, the longest
+        `context` positions long (None: not timed at that bucket yet)."""
+        t = self._cycle(shape, rows, context_range(context))
         if t is None:
             return None
-        if shape.num_steps not in self._expected:  # once per depth between observations (the scheduler's per step)
-            self._expected[shape.num_steps] = expected_tokens(self.acceptance(), shape.num_steps)
-        return generating * self._expected[shape.num_steps] / t
+        key = (shape.num_steps, context_range(context))
+        if key not in self._expected:  # once per depth and range between observations (the scheduler's per step)
+            self._expected[key] = expected_tokens(self.acceptance(context), shape.num_steps)
+        return generating * self._expected[key] / t
 
-    def choose(self, rows: int, generating: int) -> DraftShape:
-        """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating."""
-        timed = {s: len(self._recent.get((s, rows), ())) for s in self.shapes}
-        predicted = {s: self.predict(s, rows, generating) for s in self.shapes if timed[s]}
+    def _cycle(self, shape: DraftShape, rows: int, span: int) -> float | None:
+        """T of `shape` at (`rows`, range `span`), as at the nearest range measured at that bucket (by any shape); a
+        shape not measured there: its T at its own nearest range, scaled by the median ratio of the T of the shapes
+        measured at both ranges (1 where none was)."""
+        spans = {q for _, b, q in self.cycle_seconds if b == rows}
+        if not spans:
+            return None
+        span = min(spans, key=lambda q: (abs(q - span), q))
+        own = [q for s, b, q in self.cycle_seconds if s == shape and b == rows]
+        if (shape, rows, span) in self.cycle_seconds or not own:
+            return self.cycle_seconds.get((shape, rows, span))
+        near = min(own, key=lambda q: (abs(q - span), q))
+        ratios = [
+            self.cycle_seconds[s, rows, span] / self.cycle_seconds[s, rows, near]
+            for s in self.shapes
+            if (s, rows, span) in self.cycle_seconds and (s, rows, near) in self.cycle_seconds
+        ]
+        t = self.cycle_seconds[shape, rows, near]
+        return t * float(np.median(ratios)) if ratios else t
+
+    def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
+        """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating, the
+        longest `context` positions long."""
+        timed = {s: sum(len(d) for (x, b, _), d in self._recent.items() if (x, b) == (s, rows)) for s in self.shapes}
+        predicted = {s: self.predict(s, rows, generating, context) for s in self.shapes if timed[s]}
         best = max(predicted.values(), default=None)
         unmeasured = not self.reached.any()  # no chain's acceptance measured or given
         learning = [
@@ -128,36 +183,39 @@ class DraftPolicy:
         ]
         if learning:
             shape = min(learning, key=timed.get)  # the first of the fewest timed
+            self.probing = timed[shape] > 0 and unmeasured and not shape.plain
         else:
-            shape = max(self.shapes, key=predicted.get)
+            self.probing = False
+            shape, span = max(self.shapes, key=predicted.get), context_range(context)
             for other in self.shapes:
-                segment = self.cycle_seconds[other, rows] * self.cycles * best / predicted[other]
-                if other != shape and self._idle.get((other, rows), 0.0) * EXPLORE_SHARE >= segment:
+                segment = self._cycle(other, rows, span) * self.cycles * best / predicted[other]
+                if other != shape and self._idle.get((other, rows, span), 0.0) * EXPLORE_SHARE >= segment:
                     shape = other
                     break
-        self.predicted = self.predict(shape, rows, generating)
+        self.predicted = self.predict(shape, rows, generating, context)
         return shape
 
-    def feeds_drafter(self) -> bool:
-        """Whether a row admitted now is fed the drafter at prefill: not when every chain is predicted below FEED x
-        plain decoding at every row bucket where both were timed, unless the last FEED_EVERY - 1 admissions
-        (`admitted`) were not fed either."""
-        return self._drafter_pays() or self._unfed >= FEED_EVERY - 1
+    def feeds_drafter(self, context: int = 0) -> bool:
+        """Whether a row admitted now, its prompt `context` tokens long, is fed the drafter at prefill: not when every
+        chain is predicted below FEED x plain decoding in that prompt's context range at every row bucket where both
+        were timed, unless the last FEED_EVERY - 1 admissions (`admitted`) were not fed either."""
+        return self._drafter_pays(context) or self._unfed >= FEED_EVERY - 1
 
     def admitted(self, fed: bool) -> None:
         """A row was admitted, fed the drafter at prefill or not."""
         self._unfed = 0 if fed else self._unfed + 1
 
-    def _drafter_pays(self) -> bool:
-        """Some chain predicted at FEED x plain decoding's throughput or more at some bucket where both were timed,
-        or no such bucket yet."""
+    def _drafter_pays(self, context: int) -> bool:
+        """Some chain predicted at FEED x plain decoding's throughput or more, `context` positions long, at some
+        bucket where both were timed, or no such bucket yet."""
         plain = [s for s in self.shapes if s.plain]
         chains = [s for s in self.shapes if not s.plain]
         if not plain or not chains:
             return True
         compared = False
-        for rows in {rows for _, rows in self.cycle_seconds}:
-            base, drafted = self.predict(plain[0], rows, 1), [self.predict(s, rows, 1) for s in chains]
+        for rows in {rows for _, rows, _ in self.cycle_seconds}:
+            base = self.predict(plain[0], rows, 1, context)
+            drafted = [self.predict(s, rows, 1, context) for s in chains]
             if base is None or None in drafted:
                 continue
             if max(drafted) >= FEED * base:
@@ -165,50 +223,56 @@ class DraftPolicy:
             compared = True
         return not compared
 
-    def observe(self, segment: Segment, counters: Counters, seconds: float | None) -> None:
+    def observe(self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0) -> None:
         """What a segment of the last plan took: its wall `seconds` (None: it ran prefill chunks too, so its time is
-        not its cycles') and the loop's counters after it."""
+        not its cycles'), the loop's counters after it, and its longest generating row's `context` when chosen."""
         last = self._last if self._last is not None and self._last.cycles <= counters.cycles else None
         delta = counters.minus(last) if last is not None else counters
         self._last = counters
         if delta.cycles <= 0:
             return
+        span = context_range(context)
         if seconds is not None:
-            key = (segment.draft, segment.rows)
-            recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
-            recent.append(seconds / delta.cycles)
-            self.cycle_seconds[key] = float(np.median(recent))
+            if segment.cycles >= self.cycles:  # a probe's time is mostly what a segment pays once (catch-up, calls)
+                self._measured((segment.draft, segment.rows, span), seconds / delta.cycles)
             for shape in self.shapes:
-                idle = (shape, segment.rows)
+                idle = (shape, segment.rows, span)
                 self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
         reached = np.asarray(delta.reached[: self.depth], np.float64)
         if reached.any():
-            self.reached = DECAY * self.reached + reached
-            self.accepted = DECAY * self.accepted + np.asarray(delta.accepted[: self.depth], np.float64)
+            accepted = np.asarray(delta.accepted[: self.depth], np.float64)
+            self.reached, self.accepted = DECAY * self.reached + reached, DECAY * self.accepted + accepted
+            before = self._spans.get(span, (np.zeros(self.depth), np.zeros(self.depth)))
+            self._spans[span] = (DECAY * before[0] + reached, DECAY * before[1] + accepted)
             self._expected.clear()
+
+    def _measured(self, key: tuple[DraftShape, int, int], seconds_per_cycle: float) -> None:
+        recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
+        recent.append(seconds_per_cycle)
+        self.cycle_seconds[key] = float(np.median(recent))
 
 
 class Calibration:
     """The scheduler's policy during the warm-up's calibration: every segment runs `shape` (set by the caller), every
     row is fed the drafter, and each segment that ran only cycles is timed per cycle by (shape, row bucket)."""
 
-    predicted = None
+    predicted, probing = None, False
 
     def __init__(self, shape: DraftShape):
         self.shape = shape
         self.times: dict[tuple[DraftShape, int], list[float]] = collections.defaultdict(list)
         self._last: Counters | None = None
 
-    def choose(self, rows: int, generating: int) -> DraftShape:
+    def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
         return self.shape
 
-    def feeds_drafter(self) -> bool:
+    def feeds_drafter(self, context: int = 0) -> bool:
         return True
 
     def admitted(self, fed: bool) -> None:
         pass
 
-    def observe(self, segment: Segment, counters: Counters, seconds: float | None) -> None:
+    def observe(self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0) -> None:
         cycles = counters.cycles - (self._last.cycles if self._last is not None else counters.cycles)
         self._last = counters
         if seconds is not None and cycles > 0:

@@ -52,8 +52,9 @@ class EngineConfig:
         1024, "positions per slot: prompt + max_tokens + the draft's lookahead + 1 (k + 2 for a chain of k)"
     )
     draft: DraftShape = DraftShape(3)  # what every cycle drafts (DraftShape(0): plain decoding); adaptive: the deepest
-    # Per segment, plain decoding or the chain `draft`, whichever the scheduler's DraftPolicy predicts faster for the
-    # rows generating then (`jaxspec serve --num-steps auto`); both compile, and run on one loop state.
+    # Per segment, plain decoding or `draft` (a chain or a tree), whichever the scheduler's DraftPolicy predicts faster
+    # for the rows generating then (`jaxspec serve --num-steps auto`, with --topk: a tree); both compile, and run on
+    # one loop state.
     adaptive: bool = False
     prefill_chunk: int = _setting(64, "prompt tokens per prefill call")
     segment_cycles: int = _setting(4, "cycles per segment (admission and streaming happen between segments)")
@@ -102,10 +103,6 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}: expected an integer >= 1, got {value!r}")
         if not isinstance(self.draft, DraftShape):
             raise ValueError(f"EngineConfig.draft: expected a DraftShape, got {self.draft!r}")
-        if self.adaptive and self.draft.tree:
-            raise ValueError(
-                f"EngineConfig.adaptive: switches between plain decoding and a chain, got {self.draft.label}"
-            )
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue: expected an integer >= 0, got {self.max_queue!r}")
         if any(not isinstance(b, int) or not 1 <= b <= self.max_batch for b in self.batch_buckets):

@@ -63,7 +63,8 @@ class ExecutorConfig(Protocol):
 class Executor:
     """The slots' loop state, the cache pool and the programs that run a plan on them. `draft` is the shape the
     state is built for and prefill drafts with; `shapes` the draft shapes a segment may run (default: `draft` alone;
-    more: chains no deeper than `draft`, all running on the one state, each compiled once); `stop_ids` the model's
+    more: chains no deeper than `draft`, or plain decoding beside a tree, all running on the one state, each compiled
+    once); `stop_ids` the model's
     stop ids (they stop every row); `pool` (blocks, block size): the pool's size (the null block aside) and its
     blocks' positions."""
 
@@ -86,8 +87,12 @@ class Executor:
         self.loop = LoopCache.of(target).loop(target, self.drafter)  # shared: another executor reuses its programs
         self.shapes = shapes or (draft,)
         labels = [shape.label for shape in self.shapes]
-        if draft not in self.shapes or any(s != draft and (s.tree or draft.tree or s > draft) for s in self.shapes):
-            raise ValueError(f"Executor.shapes: expected {draft.label} and chains no deeper, got {labels}")
+        # A tree keeps its next root's logits where a chain keeps its draft's distribution: no chain beside a tree.
+        beside = {DraftShape(0)} if draft.tree else {s for s in self.shapes if not s.tree and s < draft}
+        if draft not in self.shapes or not set(self.shapes) - {draft} <= beside:
+            raise ValueError(
+                f"Executor.shapes: expected {draft.label} and chains no deeper (beside a tree: plain), got {labels}"
+            )
         # Per shape, (the static-greedy program, the per-row one). The per-row program scores tokens for the rows
         # that want logprobs (skipped at run time when none does), so logprobs compile nothing extra; the
         # static-greedy program has no logits and never runs such a row. Plain segments on a state with a drafter

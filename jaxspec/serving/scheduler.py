@@ -21,7 +21,7 @@ preempted: its blocks go back and its request waits at the head of the queue, re
 its tokens but the last, which the row is given as its first (recompute; a row's draws are keyed by position, so it
 goes on as it would have: the same tokens for greedy and seeded sampling). Each change of a row's blocks goes into the
 plan. The segment's draft shape is the `DraftPolicy`'s (adaptive.py): the candidate it predicts fastest for the rows
-generating now, from the segment times and counters `update` hands it.
+generating now and the live length of the longest of them, from the segment times and counters `update` hands it.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ class Scheduler:
         self.config, self.draft, self.vocab_size = config, draft, vocab_size
         self.policy = DraftPolicy(shapes or (draft,), config.segment_cycles)
         self._segment_run: Segment | None = None  # the last plan's segment
+        self._segment_context = 0  # ... and the live length of its longest generating row (the policy's context)
         self.stop_ids = tuple(stop_ids)  # the model's (they stop every request)
         self.seeds = seeds
         self.slots: list[Slot | None] = [None] * config.max_batch
@@ -252,7 +253,7 @@ class Scheduler:
         if result.step != self.step:
             raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
         if self._segment_run is not None and result.counters is not None:
-            self.policy.observe(self._segment_run, result.counters, result.segment_seconds)
+            self.policy.observe(self._segment_run, result.counters, result.segment_seconds, self._segment_context)
         now = time.perf_counter()
         delivered = []
         for row in result.rows:
@@ -327,7 +328,7 @@ class Scheduler:
             have = len(request.tokens) - len(given)
             prompt = (*request.prompt, *request.tokens[:have])
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
-            drafter = self.policy.feeds_drafter()
+            drafter = self.policy.feeds_drafter(len(prompt))
             reach = self._next_reach(request)
             salt = request.spec.cache_salt
             cached = self.tables.admit(row, prompt, reach, lookup=not request.echo, drafter=drafter, salt=salt)
@@ -384,14 +385,17 @@ class Scheduler:
         return PrefillChunk(row, start, slot.drafter)
 
     def _segment(self, rows: int, generating: int) -> Segment:
-        """A segment over the smallest row bucket >= `rows`, drafting the policy's shape, static-greedy while every
-        occupied row is greedy (and the config allows it), else per-row. Each row reads its own cache blocks as far
-        as its own length: nothing here depends on the rows' lengths."""
+        """A segment over the smallest row bucket >= `rows`, drafting the policy's shape for these rows and the live
+        length of the longest (one cycle when the policy probes), static-greedy while every occupied row is greedy
+        (and the config allows it), else per-row. Each row reads its own cache blocks as far as its own length: no
+        context size is chosen."""
         cfg = self.config
         b = next(b for b in cfg.buckets if b >= rows)
-        draft = self.policy.choose(b, generating)
+        generating_rows = [t.request for t in self.slots if t is not None and t.next_chunk is None]
+        self._segment_context = max(len(r.prompt) + len(r.tokens) for r in generating_rows)
+        draft = self.policy.choose(b, generating, self._segment_context)
         greedy = cfg.greedy_program and all(s is None or _greedy_program_serves(s.request) for s in self.slots)
-        return Segment(b, draft, greedy, cfg.segment_cycles)
+        return Segment(b, draft, greedy, 1 if self.policy.probing else cfg.segment_cycles)
 
     def _finish(self, request: Request, reason: str, new: list[int] | None = None) -> None:
         request.finish_reason, request.slot = reason, None

@@ -215,3 +215,37 @@ def expected_text(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, int
         if hits:
             return text[: min(hits)], k
     return tokenizer.decode(text_ids), len(ids)
+
+
+# ------------------------------------------------- a scripted draft policy (test_adaptive, test_engine_tree)
+class Scripted:
+    """A DraftPolicy stand-in: the segments' shapes in a fixed cycle."""
+
+    predicted, probing = None, False
+
+    def __init__(self, shapes):
+        self.shapes = itertools.cycle(shapes)
+
+    def choose(self, rows, generating, context):
+        return next(self.shapes)
+
+    def observe(self, segment, counters, seconds, context):
+        pass
+
+    def feeds_drafter(self, context):
+        return self.feed
+
+    def admitted(self, fed):
+        pass
+
+    feed = True
+
+
+def run(engine, requests, script):
+    engine.scheduler.policy = Scripted(script)
+    for r in requests:
+        engine.submit(r)
+    drafts = []
+    while engine.step():
+        drafts.append(engine.scheduler._segment_run and engine.scheduler._segment_run.draft)
+    return drafts

@@ -3,7 +3,6 @@ the greedy tokens of a fixed shape, keep the drafter current through plain segme
 each cycle drafts from the drafter's distribution at the row's true prefix), and compile nothing after warm-up."""
 
 import dataclasses
-import itertools
 import re
 
 import jax
@@ -13,40 +12,26 @@ import pytest
 from jaxspec.decoding import DraftShape
 from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import RowSpec
-from jaxspec.serving.adaptive import EXPLORE_SHARE, FEED, FEED_EVERY, FIRST, LOSING, DraftPolicy
+from jaxspec.serving.adaptive import (
+    CONTEXT_RANGE,
+    EXPLORE_SHARE,
+    FEED,
+    FEED_EVERY,
+    FIRST,
+    LOSING,
+    DraftPolicy,
+    context_range,
+)
 from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
 from tests.serving.support import ENGINE as ENGINE_CONFIG
-from tests.serving.support import NUM_STEPS, warm_engine
+from tests.serving.support import NUM_STEPS, Scripted, run, warm_engine
 
 PLAIN, CHAIN = DraftShape(0), DraftShape(NUM_STEPS)
 # test_engine's shape (so its chain, admit and prefill programs compile once for both modules) with plain decoding as
 # a second shape; the static-greedy programs switch in a slow test of their own.
 CONFIG = dataclasses.replace(ENGINE_CONFIG, adaptive=True)
-
-
-class Scripted:
-    """A DraftPolicy stand-in: the segments' shapes in a fixed cycle."""
-
-    predicted = None
-
-    def __init__(self, shapes):
-        self.shapes = itertools.cycle(shapes)
-
-    def choose(self, rows, generating):
-        return next(self.shapes)
-
-    def observe(self, segment, counters, seconds):
-        pass
-
-    def feeds_drafter(self):
-        return self.feed
-
-    def admitted(self, fed):
-        pass
-
-    feed = True
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +42,6 @@ def engine(pair):
 @pytest.fixture(scope="module")
 def greedy_engine(pair):
     return warm_engine(pair, dataclasses.replace(CONFIG, greedy_program=True))
-
-
-def run(engine, requests, script):
-    engine.scheduler.policy = Scripted(script)
-    for r in requests:
-        engine.submit(r)
-    drafts = []
-    while engine.step():
-        drafts.append(engine.scheduler._segment_run and engine.scheduler._segment_run.draft)
-    return drafts
 
 
 SCRIPTS = [(PLAIN, CHAIN), (CHAIN, CHAIN, PLAIN), (PLAIN, PLAIN, CHAIN)]
@@ -204,8 +179,8 @@ def row_draft_cache(executor: Executor, row: int):
 
 
 # ---------------------------------------------------------------------- the policy alone (plain Python)
-def segment(draft: DraftShape, rows: int = 2) -> Segment:
-    return Segment(rows, draft, False, 4)
+def segment(draft: DraftShape, rows: int = 2, cycles: int = 4) -> Segment:
+    return Segment(rows, draft, False, cycles)
 
 
 class Loop:
@@ -214,15 +189,17 @@ class Loop:
     def __init__(self):
         self.counters = Counters(0, (0, 0, 0), (0, 0, 0), (0, 0, 0, 0))
 
-    def run(self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, rows: int = 2):
-        """One segment of 4 cycles over `rows` rows, each accepting `accepted` drafts of a chain."""
-        c, k, n = self.counters, draft.num_steps, 4 * rows
+    def run(self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, **segment_of):
+        """One segment of 4 cycles (`cycles`) over 2 rows (`rows`), each accepting `accepted` drafts of a chain, the
+        longest `context` positions long."""
+        rows, context, cycles = (segment_of.get(name, d) for name, d in (("rows", 2), ("context", 0), ("cycles", 4)))
+        c, k, n = self.counters, draft.num_steps, cycles * rows
         a = min(accepted, k)
         reached = tuple(r + (n if j < k and j <= a else 0) for j, r in enumerate(c.reached))
         acc = tuple(x + (n if j < a else 0) for j, x in enumerate(c.accepted))
         hist = tuple(h + (n if t == a else 0) for t, h in enumerate(c.accept_hist))
-        self.counters = Counters(c.cycles + 4, reached, acc, hist)
-        policy.observe(segment(draft, rows), self.counters, 4 * seconds_per_cycle)
+        self.counters = Counters(c.cycles + cycles, reached, acc, hist)
+        policy.observe(segment(draft, rows, cycles), self.counters, cycles * seconds_per_cycle, context)
 
 
 @pytest.mark.parametrize(
@@ -238,7 +215,7 @@ def test_the_policy_times_each_shape_first_then_runs_the_predicted_fastest(accep
     learning = [s for s, r in ((PLAIN, plain), (CHAIN, chain)) if r >= LOSING * max(chain, plain)]
     for expected in [PLAIN, CHAIN] + learning * (FIRST - 1):
         shape = policy.choose(2, 2)
-        assert shape == expected
+        assert shape == expected and not policy.probing  # not timed yet: a whole segment
         loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted)
     assert policy.choose(2, 2) == best
     tokens, cost = (1 + accepted, chain_cost) if best.num_steps else (1, 1)
@@ -272,13 +249,15 @@ def test_a_calibrated_policy_with_a_recorded_acceptance_runs_the_predicted_best_
 
 
 def test_a_calibrated_policy_without_a_recorded_acceptance_drafts_once_to_measure_it():
-    """Times known, acceptance not: the chain runs one segment (its acceptance measured), then the predicted best."""
+    """Times known, acceptance not: the chain runs a probe of one cycle (its acceptance measured; its time, mostly
+    what a segment pays once, not taken for a cycle's), then the predicted best."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
     policy.calibrate(PLAIN, 2, 0.01)
     policy.calibrate(CHAIN, 2, 0.02)
-    assert policy.choose(2, 2) == CHAIN
-    loop.run(policy, CHAIN, 0.02, accepted=0)
-    assert policy.choose(2, 2) == PLAIN
+    assert policy.choose(2, 2) == CHAIN and policy.probing
+    loop.run(policy, CHAIN, 0.5, accepted=0, cycles=1)
+    assert policy.choose(2, 2) == PLAIN and not policy.probing
+    assert policy.cycle_seconds[CHAIN, 2, 0] == 0.02
     with pytest.raises(ValueError, match="DraftPolicy.calibrate"):
         policy.calibrate(DraftShape(NUM_STEPS + 1), 2, 0.01)
 
@@ -288,7 +267,7 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
     after the programs compiled, and with none of the warm-up's dummy counters (a chain's acceptance unmeasured)."""
     engine = warm_engine(pair, CONFIG)  # a fresh engine (its programs are the module's, compiled once)
     policy = engine.scheduler.policy
-    assert set(policy.cycle_seconds) == {(s, b) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
+    assert set(policy.cycle_seconds) == {(s, b, 0) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
     assert all(t > 0 for t in policy.cycle_seconds.values())
     assert not policy.reached.any() and policy.choose(2, 2) == CHAIN
 
@@ -312,7 +291,7 @@ def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time(ac
     assert lost <= EXPLORE_SHARE / 4
 
 
-@pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 2.0), (1, 2.2), (0, 1.1), (1, 2.6)])
+@pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 2.0), (1, 2.2), (0, 1.1), (1, 1.8), (3, 2.0)])
 def test_rows_are_fed_the_drafter_unless_every_chain_is_predicted_below_feed_x_plain(accepted, chain_cost):
     """A row is fed the drafter at prefill until both shapes are timed at some bucket; then unless the chain is
     predicted below FEED x plain decoding at every bucket where both are timed (then every FEED_EVERY-th admission
@@ -330,6 +309,89 @@ def test_rows_are_fed_the_drafter_unless_every_chain_is_predicted_below_feed_x_p
         policy.admitted(fed[-1])
     assert fed == [True] * len(fed) if pays else fed == ([False] * (FEED_EVERY - 1) + [True]) * 2
     loop.run(policy, PLAIN, 0.01, accepted, rows=1)
-    loop.run(policy, CHAIN, 0.0105, accepted, rows=1)  # a bucket where the chain is within 5% of plain
+    loop.run(policy, CHAIN, 0.0095 / FEED, accepted, rows=1)  # a bucket where the chain is 5% over FEED x plain
     assert policy.feeds_drafter()
     assert DraftPolicy((CHAIN,), cycles=4).feeds_drafter() and DraftPolicy((PLAIN,), cycles=4).feeds_drafter()
+
+
+SHORT, LONG = 100, 16 * CONTEXT_RANGE  # live lengths in the first context range and two ranges further
+
+
+def test_context_ranges_are_the_first_range_then_each_4x_longer():
+    ranges = [context_range(n) for n in (0, 1, CONTEXT_RANGE, CONTEXT_RANGE + 1, 4 * CONTEXT_RANGE, LONG, LONG + 1)]
+    assert ranges == [0, 0, 0, 1, 1, 2, 3]
+
+
+def test_a_long_context_that_stops_paying_goes_plain_while_short_ones_keep_speculating():
+    """Short and long rows take turns: every cycle costs twice as much at the long context, and there the drafter
+    accepts nothing (short: every draft). Cycle times and acceptance kept per context range: within a few long
+    segments the long rows run plain decoding while the short ones still run the chain (one acceptance and one time
+    for both would run one shape for both)."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    for rows in (1, 2):
+        policy.calibrate(PLAIN, rows, 0.01)
+        policy.calibrate(CHAIN, rows, 0.02)
+    policy.prior([0.9] * NUM_STEPS)
+    chosen = {SHORT: [], LONG: []}
+    for _ in range(40):
+        for context, accepted, cost in ((SHORT, NUM_STEPS, 1.0), (LONG, 0, 2.0)):
+            shape = policy.choose(2, 2, context)
+            chosen[context].append(shape)
+            loop.run(policy, shape, cost * (0.02 if shape.num_steps else 0.01), accepted, context=context)
+    assert chosen[SHORT].count(PLAIN) <= 2 and chosen[SHORT][-1] == CHAIN, chosen[SHORT]
+    assert chosen[LONG][:10].count(CHAIN) <= 5 and chosen[LONG][10:].count(CHAIN) <= 1, chosen[LONG]
+    assert policy.acceptance(LONG)[0] < 0.5 < 0.9 < policy.acceptance(SHORT)[0]
+
+
+def test_a_long_prompt_is_not_fed_the_drafter_where_chains_do_not_pay_at_long_contexts():
+    """Whether a row is fed the drafter at prefill is decided in its prompt's context range: the chain accepts every
+    draft at short contexts and nothing at long ones (where its cycle also costs 2x): a short prompt is fed, a long
+    one is not (but for every FEED_EVERY-th admission)."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    for shape, accepted, context, seconds_per_cycle in [(CHAIN, 0, LONG, 0.04)] * 10 + [(PLAIN, 0, LONG, 0.02)] * 2:
+        loop.run(policy, shape, seconds_per_cycle, accepted, context=context)
+    for shape, seconds_per_cycle in [(CHAIN, 0.02)] * 10 + [(PLAIN, 0.01)] * 2:
+        loop.run(policy, shape, seconds_per_cycle, NUM_STEPS, context=SHORT)
+    assert policy.feeds_drafter(SHORT) and policy.feeds_drafter(SHORT + CONTEXT_RANGE)  # the nearest range: short
+    fed = []
+    for _ in range(FEED_EVERY):
+        fed.append(policy.feeds_drafter(LONG))
+        policy.admitted(fed[-1])
+    assert fed == [False] * (FEED_EVERY - 1) + [True]
+
+
+def test_a_context_range_not_measured_yet_is_predicted_from_the_nearest_one():
+    """A new range costs no learning segments: each shape's T there is its T at the nearest measured range, scaled
+    by how much the shapes measured in both changed (here plain decoding, 3x); its acceptance is the overall one."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    policy.calibrate(PLAIN, 2, 0.01)
+    policy.calibrate(CHAIN, 2, 0.02)
+    policy.prior([0.7] * NUM_STEPS)
+    e = 1 + sum(0.7 ** (j + 1) for j in range(NUM_STEPS))
+    assert policy.predict(CHAIN, 2, 2, LONG) == pytest.approx(2 * e / 0.02)  # nothing measured there: as short
+    assert policy.choose(2, 2, LONG) == CHAIN  # E / 2 > 1: no learning segment
+    loop.run(policy, PLAIN, 0.03, 0, context=LONG)  # plain decoding timed at the long context: 3x
+    assert policy.predict(CHAIN, 2, 2, LONG) == pytest.approx(2 * e / 0.06)
+    assert policy.predict(CHAIN, 2, 2, SHORT) == pytest.approx(2 * e / 0.02)
+    assert policy.predict(CHAIN, 2, 2, 4 * LONG) == pytest.approx(2 * e / 0.06)  # the nearest range: LONG's
+
+
+TREE = DraftShape(NUM_STEPS, topk=2, num_draft_tokens=6)
+
+
+@pytest.mark.parametrize(("accepted", "tree_cost", "best"), [(3, 3.0, TREE), (1, 3.0, PLAIN), (2, 2.5, TREE)])
+def test_a_tree_is_a_candidate_beside_plain_decoding_with_its_own_acceptance(accepted, tree_cost, best):
+    """With a tree compiled (`--num-steps auto --topk N`) the candidates are plain decoding and the tree (a chain
+    keeps another draft state: not beside a tree). Without a recorded acceptance the tree runs one segment to measure
+    its own a_j per depth; then the cost model's n E / T: a tree accepting `accepted` nodes per cycle yields
+    accepted + 1 tokens per cycle at `tree_cost` times a plain cycle."""
+    with pytest.raises(ValueError, match="DraftPolicy.shapes"):
+        DraftPolicy((PLAIN, CHAIN, TREE), cycles=4)
+    policy, loop = DraftPolicy((PLAIN, TREE), cycles=4), Loop()
+    policy.calibrate(PLAIN, 2, 0.01)
+    policy.calibrate(TREE, 2, 0.01 * tree_cost)
+    assert policy.choose(2, 2) == TREE
+    loop.run(policy, TREE, 0.01 * tree_cost, accepted)
+    assert policy.choose(2, 2) == best
+    tokens, cost = (1 + accepted, tree_cost) if best.tree else (1, 1)
+    assert policy.predicted == pytest.approx(2 * tokens / (0.01 * cost))

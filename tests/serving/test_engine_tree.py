@@ -3,6 +3,8 @@ Greedy output equals the single-request `jaxspec.generate` output whatever share
 the same alone and in a batch (tree acceptance walks the tree with each row's own key), and the segments switch
 between the static-greedy and the per-row program as sampled requests come and go."""
 
+import dataclasses
+
 import pytest
 
 from jaxspec.decoding import DraftShape
@@ -10,7 +12,7 @@ from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import EngineConfig, Request
 from tests.serving.support import TREE_ENGINE as CONFIG
-from tests.serving.support import warm_engine
+from tests.serving.support import run, warm_engine
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +60,24 @@ def test_the_context_a_request_needs_counts_the_trees_verify_width(engine):
     assert CONFIG.draft.lookahead == 6 and DraftShape(3).lookahead == 4
     assert engine.check(100, 128 - 100 - 7) is None
     assert "exceeds the context of 128" in engine.check(100, 128 - 100 - 6)
+
+
+def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair, prompts, reference):
+    """`--num-steps auto --topk N`: plain decoding and the tree are the candidates, on one loop state (plain segments
+    keep the target states a tree's catch-up then drafts from). Whatever shape each segment runs: greedy rows give
+    the single-request reference, a sampled row the same tokens under the same script, nothing compiles after
+    warm-up; the tree's counters are its own (per depth)."""
+    engine = warm_engine(pair, dataclasses.replace(CONFIG, adaptive=True))
+    plain, tree = DraftShape(0), CONFIG.draft
+    assert engine.config.shapes == (plain, tree) and set(engine.scheduler.policy.shapes) == {plain, tree}
+    traces = engine.executor.loop.traces
+    for script in ((plain, tree), (tree, plain, plain)):
+        greedy = [Request(prompts[0], 20), Request(prompts[2], 16)]
+        drafts = run(engine, greedy, script)
+        assert {plain, tree} <= set(drafts)
+        assert [r.tokens for r in greedy] == [reference(r.prompt, r.max_tokens) for r in greedy]
+    sampled = [Request(prompts[3], 12, RowSpec(Sampling(0.9, top_k=40), seed=5)) for _ in range(2)]
+    for r in sampled:
+        run(engine, [r], (tree, plain))
+    assert sampled[0].tokens == sampled[1].tokens and len(sampled[0].tokens) == 12
+    assert engine.executor.loop.traces == traces

@@ -427,3 +427,47 @@ def test_the_import_contract_catches_jax_in_the_scheduler(tmp_path):
     (tmp_path / "pyproject.toml").write_text(text.replace(sources[0], engine))
     run = lint_imports(tmp_path / "pyproject.toml")
     assert run.returncode != 0 and "jaxspec.serving.engine" in run.stdout and "BROKEN" in run.stdout, run.stdout[-3000:]
+
+
+class Recording:
+    """A DraftPolicy stand-in that drafts `CHAIN` and records the context it is asked about and told of."""
+
+    predicted, probing = None, False
+
+    def __init__(self):
+        self.chosen, self.observed = [], []
+
+    def choose(self, rows, generating, context):
+        self.chosen.append(context)
+        return CHAIN
+
+    def observe(self, segment, counters, seconds, context):
+        self.observed.append(context)
+
+    def feeds_drafter(self, context):
+        return True
+
+    def admitted(self, fed):
+        pass
+
+
+def test_the_policy_is_asked_with_the_longest_generating_rows_live_length():
+    """The context the policy chooses and learns by is the longest generating row's prompt and tokens so far (what
+    the scheduler knows; a prefilling row's prompt does not count until it generates)."""
+    scheduler, executor = make(), FakeExecutor(Shape())
+    scheduler.policy = policy = Recording()
+    short, long = Request([1] * 5, 20, RowSpec(seed=1)), Request([1] * 30, 20, RowSpec(seed=2))
+    scheduler.submit(short)
+    step(scheduler, executor)
+    scheduler.submit(long)
+    want = []
+    while scheduler.has_work:
+        plan = scheduler.schedule()  # a row whose last prompt chunk is in the plan generates in its segment
+        generating = [r for r in (short, long) if r.slot is not None and scheduler.slots[r.slot].next_chunk is None]
+        if plan.segment is not None:
+            want.append(max(len(r.prompt) + len(r.tokens) for r in generating))
+        scheduler.update(executor.run(plan))
+    assert policy.chosen == want == policy.observed and max(want) > 30 + 1 and min(want) < 30
+    policy.probing = True  # a probe: one cycle
+    scheduler.submit(Request([1] * 5, 20, RowSpec(seed=3)))
+    assert [step(scheduler, executor)[0].segment for _ in range(2)][1].cycles == 1
