@@ -137,10 +137,24 @@ def write_cache(cache_LBSY: Cache, layer: jax.Array | int, new_BTY: jax.Array, p
     stored = quantize_entries(new_BTY) if is_fp8(_array(cache_LBSY)) else new_BTY.astype(_array(cache_LBSY).dtype)
     if isinstance(cache_LBSY, Paged):
         blocks_BT, offsets_BT = cache_LBSY.slots(pos_BT)
-        pool = cache_LBSY.pool.at[layer, blocks_BT, offsets_BT].set(stored, mode="drop")
-        return cache_LBSY._replace(pool=pool)
+        return cache_LBSY._replace(pool=_set(cache_LBSY.pool, (layer, blocks_BT, offsets_BT), stored))
     rows_BT = jnp.broadcast_to(jnp.arange(pos_BT.shape[0], dtype=pos_BT.dtype)[:, None], pos_BT.shape)
-    return cache_LBSY.at[layer, rows_BT, pos_BT].set(stored, mode="drop")
+    return _set(cache_LBSY, (layer, rows_BT, pos_BT), stored)
+
+
+def _set(array: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
+    """`array.at[index].set(values, mode="drop")`; on CPU a bfloat16 array's through a uint16 view: XLA:CPU widens a
+    bfloat16 scatter to float32 across the whole operand (the whole pool, each layer of each step), and a bit copy is
+    the same either way."""
+    plain = lambda a, v: a.at[index].set(v, mode="drop")  # noqa: E731
+    if array.dtype != jnp.bfloat16:
+        return plain(array, values)
+
+    def bits(a, v):
+        u16 = lambda x, t: jax.lax.bitcast_convert_type(x, t)  # noqa: E731
+        return u16(u16(a, jnp.uint16).at[index].set(u16(v, jnp.uint16), mode="drop"), jnp.bfloat16)
+
+    return jax.lax.platform_dependent(array, values, cpu=bits, default=plain)
 
 
 def _array(cache: Cache) -> jax.Array:

@@ -200,3 +200,26 @@ def test_the_paged_absorbed_read_lowers_to_the_kernel_on_tpu_and_gpu(platform, c
         assert "tpu_custom_call" not in text and "while" in text  # the XLA loop over each row's blocks
     else:
         assert text.count(call) >= 1, f"no {call} in the {platform} lowering"
+
+
+def test_a_bfloat16_pool_is_written_without_widening_it_on_cpu():
+    """XLA:CPU widens a bfloat16 scatter to float32 across the whole operand: a step's write into the pool goes
+    through a uint16 view instead (a bit copy), so no pool-sized float32 buffer appears; the values are the same."""
+    import re
+
+    from jaxspec.models.cache import Paged, write_cache
+
+    pool = jnp.zeros((2, 33, 16, 40), jnp.bfloat16)
+    tables = jnp.arange(32, dtype=jnp.int32).reshape(4, 8) + 1
+    new = jax.random.normal(jax.random.key(0), (4, 2, 40)).astype(jnp.bfloat16)
+    pos = jnp.asarray([[3, 4], [17, 18], [120, 121], [127, 128]], jnp.int32)  # 128: past the row, dropped
+    write = jax.jit(lambda p, n: write_cache(Paged(p, tables), 1, n, pos).pool)
+    assert not re.findall(r"f32\[2,33,16,40\]", write.lower(pool, new).compile().as_text())
+    widened = jax.jit(lambda p, n: p.at[1, tables[:, :1], pos % 16].set(n, mode="drop"))
+    assert re.findall(r"f32\[2,33,16,40\]", widened.lower(pool, new).compile().as_text())  # what it avoids
+    got, want = np.asarray(write(pool, new).astype(jnp.float32)), np.zeros((2, 33, 16, 40), np.float32)
+    for b, row in enumerate(np.asarray(pos)):
+        for t, p in enumerate(row):
+            if p < 128:  # the rest is dropped
+                want[1, int(tables[b, p // 16]), p % 16] = np.asarray(new[b, t], np.float32)
+    np.testing.assert_array_equal(got, want)
