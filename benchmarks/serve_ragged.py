@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "f177fd0"  # the last commit whose serving copied windows and read every row to the batch's longest
 
 
-def bench_config(dtype: str):
+def bench_config():
     from jaxspec import KimiConfig
 
     return KimiConfig.preset("tiny").replace(
@@ -65,7 +65,7 @@ def measure(args) -> dict:
     from jaxspec.serving.engine import Engine, EngineConfig, Request
     from sharding.mesh import make_mesh
 
-    cfg = bench_config(args.dtype)
+    cfg = bench_config()
     target = Target.random(cfg, mesh=make_mesh("1x1"), dtype=jnp.dtype(args.dtype), seed=0)
     config = EngineConfig(max_batch=8, max_context=args.max_context, draft=DraftShape(0), segment_cycles=args.cycles)
     rng = np.random.default_rng(0)
@@ -109,7 +109,7 @@ def report(runs: dict, args, load: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(variant: str, old: Path, args) -> dict:
+def run(variant: str, old: Path) -> dict:
     """Measure `variant` in a process of its own ("before": the packages extracted to `old`); adds r."""
     cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
     env = dict(os.environ, PYTHONPATH=str(old if variant == "before" else ROOT))
@@ -147,7 +147,7 @@ def main() -> None:
     archive = subprocess.run(["git", "archive", args.before, "jaxspec", "sharding"], cwd=ROOT, check=True, stdout=PIPE)
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     try:
-        runs = {variant: run(variant, old, args) for variant in args.variants.split(",")}
+        runs = {variant: run(variant, old) for variant in args.variants.split(",")}
     finally:
         shutil.rmtree(old)
     load = load_text(load_before, os.getloadavg())

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sharding.mesh import DATA
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 SCALE_BYTES = 4  # one float32 scale per cached token and layer
@@ -92,6 +94,14 @@ class Paged(NamedTuple):
             return pool.at[blocks_BT, offsets_BT].set(new.astype(pool.dtype), mode="drop")
 
         return Paged(tuple(put(p, v) for p, v in zip(self.pool, dense, strict=True)), self.tables)
+
+
+def paged_specs(mesh, pool_specs: Any, batch_axis: Any) -> Paged:
+    """The PartitionSpecs of a `Paged` cache on `mesh`: its pool's `pool_specs` (its blocks placed as a dense cache's
+    rows) and its tables' (rows as the batch). A pool is one for all rows: it needs the data axis to be 1."""
+    if mesh.shape.get(DATA, 1) != 1:
+        raise ValueError(f"a paged cache needs the mesh's data axis to be 1, got a {dict(mesh.shape)} mesh")
+    return Paged(pool_specs, jax.sharding.PartitionSpec(batch_axis, None))
 
 
 Cache = jax.Array | Paged  # a dense [L, B, S, Y] cache or a paged one
@@ -193,6 +203,7 @@ __all__ = [
     "SCALE_BYTES",
     "Cache",
     "Paged",
+    "paged_specs",
     "cache_positions",
     "dequantize_entries",
     "is_fp8",

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.models.cache import Paged
+from jaxspec.models.cache import Paged, paged_specs
 from jaxspec.models.eagle3 import Eagle3Config, Eagle3Model, KVCache, Split, concat_captured
 from jaxspec.runtime.target import Target
 from sharding.mesh import DATA
@@ -81,9 +81,7 @@ class Drafter:
             return None
         if not isinstance(cache, Paged):
             return self.cache_specs()
-        if self.mesh.shape.get(DATA, 1) != 1:
-            raise ValueError(f"a paged cache needs the mesh's data axis to be 1, got a {dict(self.mesh.shape)} mesh")
-        return Paged(self.cache_specs(), PartitionSpec(self.rules.batch, None))
+        return paged_specs(self.mesh, self.cache_specs(), self.rules.batch)
 
     def apply(
         self,

@@ -20,7 +20,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
-from jaxspec.models.cache import PACKED, SCALE_BYTES, Paged
+from jaxspec.models.cache import PACKED, SCALE_BYTES, Paged, paged_specs
 from jaxspec.models.kimi import KimiModel
 from jaxspec.models.mla import KV_BLOCK, AttnImpl
 from jaxspec.models.moe import ExpertImpl, MoE
@@ -217,12 +217,12 @@ class Target:
         would relayout the whole pool (docs/performance.md)."""
         if block < 1 or max_len % block:
             raise ValueError(f"pool block: expected a divisor of the cache length {max_len}, got {block}")
-        self.specs_of(Paged(None, None))  # a pool needs the data axis to be 1
+        specs = paged_specs(self.mesh, self.cache_spec(), self.rules.batch)
         shape, dtype = self.cache_shape_dtype(batch * max_len // block + 1, block)
-        sharding = NamedSharding(self.mesh, self.cache_spec())
+        sharding = NamedSharding(self.mesh, specs.pool)
         if self.mesh.devices.flat[0].platform == "tpu":
             sharding = Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)
-        rows = NamedSharding(self.mesh, PartitionSpec(self.rules.batch, None))
+        rows = NamedSharding(self.mesh, specs.tables)
         tables = jax.ShapeDtypeStruct((batch, max_len // block), jnp.int32, sharding=rows)
         return Paged(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), tables)
 
@@ -242,9 +242,7 @@ class Target:
             return None
         if not isinstance(cache, Paged):
             return self.cache_spec()
-        if self.mesh.shape.get(DATA, 1) != 1:
-            raise ValueError(f"a paged cache needs the mesh's data axis to be 1, got a {dict(self.mesh.shape)} mesh")
-        return Paged(self.cache_spec(), PartitionSpec(self.rules.batch, None))
+        return paged_specs(self.mesh, self.cache_spec(), self.rules.batch)
 
     def apply(
         self,
