@@ -21,6 +21,7 @@ from jaxspec.cli.args import (
     use_bundled_pair,
 )
 from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.decoding.sampling_params import VERIFY_MODES
 
 HELP = "speculative (or plain) generation; prints text and statistics"
 DESCRIPTION = (
@@ -59,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (%(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 = off (%(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (%(default)s)")
+    p.add_argument(
+        "--sampling",
+        choices=VERIFY_MODES,
+        default="rejection",
+        help="with --temperature > 0: rejection (lossless rejection sampling: the most accepted tokens) or coupled "
+        "(prompt j's text is what plain sampling with its seed gives, whatever the draft shape) (%(default)s)",
+    )
     p.add_argument("--stats", action="store_true", help="print acceptance statistics (on for the bundled pair)")
     p.add_argument(
         "--compare-plain",
@@ -218,7 +226,9 @@ def _runner(args: argparse.Namespace, target, drafter, prompts: list, tokenizer)
     loops = LoopCache()
 
     def run_at(draft: DraftShape, on_cycles=None):
-        settings = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        settings = dict(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, sampling=args.sampling
+        )
         return generate(
             target,
             None if draft.plain else drafter,

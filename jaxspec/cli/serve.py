@@ -23,6 +23,7 @@ from jaxspec.cli.args import (
     use_bundled_pair,
 )
 from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.decoding.sampling_params import SAMPLING_DEFAULT, SAMPLING_MODES
 
 log = logging.getLogger("jaxspec.serving")
 HELP = "OpenAI-compatible HTTP server: continuous batching with speculative decoding"
@@ -47,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--topk, a tree of that depth instead of the chain",
     )
     add_tree_args(p)
+    p.add_argument(
+        "--sampling",
+        choices=SAMPLING_MODES,
+        default=SAMPLING_DEFAULT,
+        help="how sampled requests are verified unless one says (its 'sampling' field): coupled (a seed gives the "
+        "same text whatever the load or draft shape), rejection (lossless rejection sampling: more accepted tokens) "
+        "or auto (coupled for requests with a seed) (%(default)s)",
+    )
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="(%(default)s)")
     p.add_argument("--port", type=int, default=8000, help="(%(default)s)")
@@ -262,7 +271,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"jaxspec serve: {e}") from None
     name = args.served_model_name or ("kimi-py-tiny" if bundled else Path(args.model).resolve().name)
     app = create_app(
-        engine, tokenizer, name, chat_format=args.chat_format, access=access, allow_special=args.allow_special_tokens
+        engine,
+        tokenizer,
+        name,
+        chat_format=args.chat_format,
+        access=access,
+        allow_special=args.allow_special_tokens,
+        sampling=args.sampling,
     )
     drafts = " or ".join(shape.label for shape in config.shapes)
     log.info("serving %s on http://%s:%d (draft %s)", name, args.host, args.port, drafts)

@@ -15,8 +15,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decoding.coupling import check_mode
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling import Sampling
+from jaxspec.decoding.sampling_params import derive_seed
 from jaxspec.decoding.spec_loop import SpecLoop
 from jaxspec.decoding.state import LoopConfig, LoopState
 from sharding.mesh import DATA
@@ -142,6 +144,7 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
+    sampling: str = "rejection",
     stop: Sequence[int] | None = None,
     tokenizer=None,
     on_cycles: Callable[[list[list[int]]], None] | None = None,
@@ -158,12 +161,16 @@ def generate(
     tree of 4 levels of the 2 best children per frontier node whose 8 best nodes (the root included) are verified in
     one forward (decoding/tree.py). Without `draft`, `num_steps`, `topk` and `num_draft_tokens` give the shape.
 
+    `sampling`: "rejection" (the most accepted tokens) or "coupled": prompt j's tokens are plain sampling's with seed
+    `derive_seed(seed, j)` (row 0: `seed`), whatever the draft shape or batch, as `jaxspec serve` samples (coupling.py).
+
     `stop`: extra stop token ids (the target config's eos and the tokenizer's stop ids always apply). `on_cycles`
     receives the tokens generated so far after every `stream_cycles` cycles (for streaming output); `on_progress`
     receives a `Progress` (tokens, cycles, acceptance counters, finished prompts) at the same points. The time spent
     inside the callbacks is counted in `stats["seconds"]`. `loops`: where the compiled loop is kept (see `LoopCache`;
     default: the target's own cache).
     """
+    coupled = check_mode("sampling", sampling) == "coupled" and temperature != 0  # greedy is greedy either way
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     shape = draft_shape(draft, num_steps, topk, num_draft_tokens, drafter)
     _check_counts(max_new_tokens, stream_cycles)
@@ -174,20 +181,24 @@ def generate(
 
     loop = (loops if loops is not None else LoopCache.of(target)).loop(target, drafter)
     traces_before = loop.traces
-    loop_cfg = LoopConfig(shape, sampling, tuple(sorted(stop_ids)), layout.prompt, layout.chunk)
-    state = LoopState.empty(target, drafter, shape, layout.batch, layout.buffer, greedy=sampling.greedy, seed=seed)
-    state = state.with_prompts(ids, max_new_tokens)
+    loop_cfg = LoopConfig(shape, sampling, tuple(sorted(stop_ids)), layout.prompt, layout.chunk, coupled=coupled)
+    state = _start(target, drafter, shape, layout, loop_cfg, seed).with_prompts(ids, max_new_tokens)
     budget = stream_cycles if on_cycles is not None or on_progress is not None else max_new_tokens + 1
     start = time.perf_counter()
     state = _decode(loop, loop_cfg, target, drafter, state, budget, (on_cycles, on_progress), len(ids))
     seconds = time.perf_counter() - start
     out = _collect(state, len(ids))
-    stats = _stats(state, out, shape, seconds) | {
-        "compiles": loop.traces - traces_before,
-        "buckets": {"batch": layout.batch, "prompt": layout.prompt, "buffer": layout.buffer},
-    }
-    text = [tokenizer.decode(t) for t in out] if tokenizer is not None else None
-    return GenerateResult(out, text, stats)
+    stats = _stats(state, out, shape, seconds) | {"compiles": loop.traces - traces_before, "buckets": layout.buckets}
+    return GenerateResult(out, [tokenizer.decode(t) for t in out] if tokenizer is not None else None, stats)
+
+
+def _start(target, drafter, shape: DraftShape, layout: _Layout, loop_cfg: LoopConfig, seed: int) -> LoopState:
+    """The empty state for `loop_cfg`: one key from `seed`, or (coupled) row j's key from derive_seed(seed, j)."""
+    greedy = loop_cfg.sampling.greedy
+    state = LoopState.empty(target, drafter, shape, layout.batch, layout.buffer, greedy=greedy, seed=seed)
+    if not loop_cfg.coupled:
+        return state
+    return state.with_row_seeds([derive_seed(seed, row) for row in range(layout.batch)])
 
 
 def _decode(loop: SpecLoop, loop_cfg: LoopConfig, target, drafter, state: LoopState, budget: int, callbacks, n: int):
@@ -263,6 +274,11 @@ class _Layout:
     def chunk(self) -> int:
         """Prompt positions per prefill chunk."""
         return min(PREFILL_CHUNK, self.prompt)
+
+    @property
+    def buckets(self) -> dict[str, int]:
+        """What `generate`'s stats report as its buckets."""
+        return {"batch": self.batch, "prompt": self.prompt, "buffer": self.buffer}
 
 
 def _report(state, done_B: np.ndarray, n: int, on_cycles, on_progress) -> None:

@@ -7,6 +7,7 @@ Plain Python (no jax), so the serving scheduler can hold a request's settings an
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import numbers
 
@@ -18,6 +19,12 @@ MAX_TOP_K = 2**31 - 1
 MIN_TOP_P = 2.0**-126  # float32's smallest normal number
 MAX_SEED = 2**32 - 1
 MAX_CACHE_SALT = 256  # characters of a request's cache_salt
+# How a server verifies sampled requests unless one says (`jaxspec serve --sampling`): "auto" samples a request that
+# has a seed coupled (decoding/coupling.py: its text is then its seed's alone, whatever the load or the draft shape)
+# and the rest by rejection sampling, which accepts more drafted tokens (docs/serving.md has the measurements).
+SAMPLING_MODES = ("auto", "coupled", "rejection")
+VERIFY_MODES = ("rejection", "coupled")  # `generate(sampling=...)`: the modes a single call chooses between
+SAMPLING_DEFAULT = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +82,9 @@ class RowSpec:
     # Rows with different salts never share prefix-cache blocks (vLLM's cache_salt); None: the unsalted cache. The
     # scheduler's business only: it is not written into the loop state.
     cache_salt: str | None = None
+    # Coupled sampling (decoding/coupling.py): the row's text depends on its seed alone, never on what was drafted
+    # (the price is acceptance); False: lossless rejection sampling. Greedy rows are the same either way.
+    coupled: bool = False
 
     def __post_init__(self):
         if not isinstance(self.sampling, Sampling):
@@ -90,7 +100,7 @@ class RowSpec:
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT):
             raise ValueError(f"RowSpec.cache_salt: expected None or 1 to {MAX_CACHE_SALT} characters, got {salt!r}")
         _int("min_new", self.min_new, 0)
-        for name in ("logprobs", "ignore_eos"):
+        for name in ("logprobs", "ignore_eos", "coupled"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RowSpec.{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -105,3 +115,13 @@ class RowSpec:
     @classmethod
     def from_dict(cls, d: dict) -> RowSpec:
         return cls(**(d | {"sampling": Sampling(**d["sampling"]), "stop_ids": tuple(d["stop_ids"])}))
+
+
+def derive_seed(seed: int, *path: int) -> int:
+    """The 32-bit engine seed at `path` below a request's `seed` (a uint32: the protocol refuses larger ones rather
+    than wrap them) for choice j (or `generate`'s row j); the all-zero path is the seed itself, so choice 0 of n
+    samples what the same request with n = 1 does."""
+    if not any(path):
+        return seed
+    digest = hashlib.blake2b("/".join(map(str, (seed, *path))).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")

@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxspec.decoding import coupling as coupled
 from jaxspec.decoding import tree
 from jaxspec.decoding.acceptance import greedy_accept_ids, speculative_accept
+from jaxspec.decoding.coupling import Coupling
 from jaxspec.decoding.sampling import RowSampling, Sampling, sample, sample_rows, warp, warp_rows
 from jaxspec.decoding.sampling_params import MAX_TOP_LOGPROBS
 from jaxspec.decoding.state import Logprobs, LoopConfig, LoopState, sharded_like
@@ -105,7 +107,8 @@ class SpecLoop:
         in_chunk_B = (last_B >= start) & (last_B < start + chunk)
         row_B = jnp.clip(last_B - start, 0, chunk - 1)
         out_B = jnp.take_along_axis(out, row_B.reshape((B, 1) + (1,) * (out.ndim - 2)), axis=1)[:, 0]
-        first_B = _choose_target(k1, mask_stops(cfg, s, out_B[:, None], jnp.zeros((B, 1), jnp.int32))[:, 0], sampling)
+        masked_BV = mask_stops(cfg, s, out_B[:, None], jnp.zeros((B, 1), jnp.int32))[:, 0]
+        first_B = _choose_target(k1, masked_BV, sampling, _coupling(cfg, s), prompt_len_B)
         if s.first_given_B is not None:  # a resumed row's first token is the one it had (at its prompt's end)
             given_B = jnp.take_along_axis(tokens_BS, prompt_len_B[:, None], axis=1)[:, 0]
             first_B = jnp.where(s.first_given_B, given_B, first_B)
@@ -122,7 +125,7 @@ class SpecLoop:
             d_B = s.draft_B
         else:
             chunk = next_BT, aux_BTI, pos_BT, row_B
-            d_B, dq_BV, h2_BD, dcache = self._prompt_draft(dparams, s.draft_cache, chunk, k2, sampling, feed)
+            d_B, dq_BV, h2_BD, dcache = self._prompt_draft(dparams, s.draft_cache, chunk, k2, (sampling, cfg, s), feed)
         if s.drafted_B is not None:  # the drafter has run over the prompt (or is not fed it: `_prompt_draft`)
             s = s.replace(drafted_B=jnp.where(in_chunk_B, prompt_len_B, s.drafted_B))
         return s.replace(
@@ -132,7 +135,7 @@ class SpecLoop:
             hidden_BD=jnp.where(in_chunk_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
         )
 
-    def _prompt_draft(self, dparams, cache, chunk, key, sampling, feed):
+    def _prompt_draft(self, dparams, cache, chunk, key, how, feed):
         """The drafter over a prefill chunk (tokens, target states, positions [B, T, ..], each row's last prompt
         position in it): its draft-extend over every position, or with `feed` False (adaptive serving admits rows
         that way where speculation does not pay) over each row's last prompt position alone. That is all the first
@@ -140,14 +143,16 @@ class SpecLoop:
         sampling stays lossless: it is for any q a draft is drawn from); only the drafter's cache below the
         prompt's end holds no entries of this prompt, which costs acceptance, never correctness, if chains run on
         the row later. A chunk without the row's last position writes one entry of no use (the row's own, past any
-        cached prefix: a prompt's registered blocks end before its last position)."""
+        cached prefix: a prompt's registered blocks end before its last position). `how`: (sampling, cfg, state)."""
         tokens_BT, aux_BTI, pos_BT, row_B = chunk
-        whole = lambda: draft_extend(self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling)
+        sampling, cfg, s = how
+        c = _coupling(cfg, s)
+        whole = lambda: draft_extend(self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling, c)
         if feed is None:
             return whole()
         at = lambda x: jnp.take_along_axis(x, row_B.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)
         last = (at(tokens_BT), at(aux_BTI), at(pos_BT))
-        alone = lambda: draft_extend(self.drafter, dparams, *last, cache, jnp.zeros_like(row_B), key, sampling)
+        alone = lambda: draft_extend(self.drafter, dparams, *last, cache, jnp.zeros_like(row_B), key, sampling, c)
         return jax.lax.cond(feed, whole, alone)
 
     # ------------------------------------------------------------------ the cycle loop
@@ -187,8 +192,9 @@ class SpecLoop:
             else:
                 key, (extend_key,) = _draws(s.key, 1, EXTEND, s.length_B)
                 d_B, q_BV, h2_BD, dcache = draft_extend(
-                    self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, s.draft_cache, last_B, extend_key, sampling
-                )
+                    self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, s.draft_cache, last_B, extend_key, sampling,
+                    _coupling(cfg, s),
+                )  # fmt: skip
             done_B = go_B & (s.length_B - start_B <= W)  # caught up in this step
             return s.replace(
                 draft_cache=dcache,
@@ -217,7 +223,7 @@ class SpecLoop:
         pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
 
         # 1. draft J tokens (the first came from the last draft-extend)
-        draft_BJ, qs, dcache = self._draft_chain(dparams, s, draft_key, n_B, J, sampling)
+        draft_BJ, qs, dcache = self._draft_chain(dparams, s, draft_key, n_B, J, (sampling, _coupling(cfg, s)))
 
         # 2. verify [pending, d_1..d_J] at positions n..n+J
         verify_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
@@ -236,8 +242,9 @@ class SpecLoop:
             if key.ndim:  # a row's next first draft is keyed as a prefill or a catch-up ending there keys it
                 _, (extend_key,) = _draws(key, 1, EXTEND, committed.length_B)
             new_draft_B, new_q_BV, h2_BD, dcache = draft_extend(
-                self.drafter, dparams, emitted_BT, aux_BTI, pos_BT, dcache, accepted_B, extend_key, sampling
-            )
+                self.drafter, dparams, emitted_BT, aux_BTI, pos_BT, dcache, accepted_B, extend_key, sampling,
+                _coupling(cfg, s),
+            )  # fmt: skip
             draft_B = jnp.where(active_B, new_draft_B, s.draft_B)
             q_BV = jnp.where(active_B[:, None], new_q_BV, s.draft_q_BV)
             hidden_BD = jnp.where(active_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD)
@@ -256,13 +263,15 @@ class SpecLoop:
             **lazy,
         )
 
-    def _draft_chain(self, dparams, s: LoopState, key, n_B, J: int, sampling):
+    def _draft_chain(self, dparams, s: LoopState, key, n_B, J: int, how):
         """Step 1 of a chain cycle: d_1 (the last draft-extend's) and J - 1 drafter steps, d_j at drafter position
         n + j - 1 (the target position of its predecessor), each from the previous step's h2. The steps are one
         `lax.scan`, not J - 1 copies: the program holds one drafter step and one sampler whatever J is (a copy per
         step made the per-row k = 4 program 1.8x the kernels, compile time and memory maps of the static-greedy one).
-        Returns (drafts [B, J], their distributions (J of [B, V]: see `choose_draft`), the drafter cache)."""
+        Returns (drafts [B, J], their distributions (J of [B, V]: see `choose_draft`), the drafter cache). `how`:
+        (sampling, coupling)."""
         B = s.tokens_BS.shape[0]
+        sampling, c = how
         if J == 0:
             return jnp.zeros((B, 0), jnp.int32), [], s.draft_cache
         if J == 1:
@@ -272,7 +281,7 @@ class SpecLoop:
             token_B, hidden_BD, cache = carry
             j, k = xs
             token_B, q_BV, h2_BD, cache = draft_step(
-                self.drafter, dparams, token_B, hidden_BD, (n_B + j - 1)[:, None], cache, k, sampling
+                self.drafter, dparams, token_B, hidden_BD, (n_B + j - 1)[:, None], cache, k, sampling, c
             )
             return as_carry((token_B, h2_BD.astype(hidden_BD.dtype), cache), carry), (token_B, q_BV)
 
@@ -290,7 +299,8 @@ class SpecLoop:
         pending_B = jnp.take_along_axis(s.tokens_BS, n_B[:, None], axis=1)[:, 0]
 
         # 1. draft the tree (deterministic top-k expansion: acceptance needs nothing of the draft distribution)
-        draft = draft_tree(self.drafter, dparams, s.draft_q_BV, s.hidden_BD, n_B, s.draft_cache, J, cfg.topk)
+        tilt = _tree_tilt(self.drafter, _coupling(cfg, s), sampling, n_B)
+        draft = draft_tree(self.drafter, dparams, s.draft_q_BV, s.hidden_BD, n_B, s.draft_cache, J, cfg.topk, tilt)
         nodes = tree.finish(draft, pending_B, n_B, cfg.num_draft_tokens)
 
         # 2. verify every node in one forward under the tree's ancestor mask (node t at slot n + t)
@@ -311,8 +321,9 @@ class SpecLoop:
             path, accepted_B, next_B = tree.greedy_accept_tree(nodes, out)
         else:
             generated_BT = (s.end_B - s.prompt_len_B)[:, None] + nodes.depth_BT
-            p_BTV = jnp.exp(_warp(mask_stops(cfg, s, out, generated_BT), sampling))
-            path, accepted_B, next_B = tree.speculative_accept_tree(accept_key, nodes, p_BTV)
+            logp_BTV = _warp(mask_stops(cfg, s, out, generated_BT), sampling)
+            walk = lambda: tree.speculative_accept_tree(accept_key, nodes, jnp.exp(logp_BTV))
+            path, accepted_B, next_B = _accept(_coupling(cfg, s), logp_BTV, n_B[:, None] + nodes.depth_BT, walk, nodes)
         path_BJ = jnp.take_along_axis(nodes.tokens_BT, path[:, 1:], axis=1)
         emitted_BT, active_B, committed = commit(cfg, s, path_BJ, accepted_B, next_B)
         path_out = jnp.take_along_axis(out, path[:, :, None], axis=1) if cfg.logprobs else out  # the path's logits
@@ -374,37 +385,43 @@ def target_forward(
     return replicate(out, target.mesh), cache, captured
 
 
-def choose_draft(drafter: Drafter, key, logits_BU, sampling: Sampling | RowSampling):
+def choose_draft(drafter: Drafter, key, logits_BU, sampling: Sampling | RowSampling, coupling=None, at_B=None):
     """Draft token (target ids) [B] and its distribution over the target vocabulary [B, V] (sampling only; [B, 1]
-    zeros when greedy)."""
+    zeros when greedy). Rows that sample coupled (`coupling`, a `Coupling` or None) propose with the target's noise
+    at index `at_B` (coupling.py); the others draw with `key`."""
     target = drafter.target
     logits_BU = replicate(logits_BU, target.mesh)
     draft_U = _sample(key, logits_BU, sampling)
-    ids_B = drafter.to_target_ids(draft_U)
     if sampling.greedy:
-        return ids_B, jnp.zeros((ids_B.shape[0], 1), jnp.float32)
-    q_BU = jnp.exp(_warp(logits_BU, sampling))
-    vocab = target.vocab_size
-    if drafter.d2t is None:
+        return drafter.to_target_ids(draft_U), jnp.zeros((draft_U.shape[0], 1), jnp.float32)
+    logq_BU = _warp(logits_BU, sampling)
+    vocab, U = target.vocab_size, logq_BU.shape[-1]
+    where_U = None if drafter.d2t is None else drafter.to_target_ids(jnp.arange(U, dtype=jnp.int32))
+    if coupling is not None:
+        propose = lambda: coupled.draft_tokens(coupling.key_B, logq_BU, at_B, vocab, where_U)
+        draft_U = coupled.select(coupling, propose, lambda: draft_U)
+    ids_B, q_BU = drafter.to_target_ids(draft_U), jnp.exp(logq_BU)
+    if where_U is None:
         return ids_B, q_BU
-    where_U = drafter.to_target_ids(jnp.arange(q_BU.shape[-1], dtype=jnp.int32))
     return ids_B, jnp.zeros((q_BU.shape[0], vocab), jnp.float32).at[:, where_U].set(q_BU)
 
 
-def draft_step(drafter: Drafter, dparams, token_B, hidden_BD, pos_BT, cache, key, sampling):
+def draft_step(drafter: Drafter, dparams, token_B, hidden_BD, pos_BT, cache, key, sampling, coupling=None):
     """Draft: one drafter step from the previous step's h2 at position `pos_BT` [B, 1]. Returns (draft token [B],
-    its distribution (see `choose_draft`), this step's h2 [B, D] (replicated), the updated drafter cache)."""
+    its distribution (see `choose_draft`), this step's h2 [B, D] (replicated), the updated drafter cache). The
+    drafter at position p proposes the token at index p + 2 (its input is the token at p + 1)."""
     logits, h2, cache = drafter.apply(dparams, token_B[:, None], hidden_BD[:, None], pos_BT, cache, first_step=False)
-    token_B, q_BV = choose_draft(drafter, key, logits[:, 0], sampling)
+    token_B, q_BV = choose_draft(drafter, key, logits[:, 0], sampling, coupling, pos_BT[:, 0] + 2)
     return token_B, q_BV, replicate(h2, drafter.target.mesh)[:, 0], cache
 
 
-def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling):
+def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling, coupling=None):
     """Draft-extend (and the prefill's draft): the drafter's first step over T tokens with the captured target states
     `aux_BTI`, writing its cache; at each sequence's row `row_B` the next draft token and distribution (see
     `choose_draft`) and its h2 [B, D]. Returns (draft [B], q, h2 [B, D], the updated drafter cache)."""
     logits_BU, h2_BD, cache = extend_logits(drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B)
-    draft_B, q_BV = choose_draft(drafter, key, logits_BU, sampling)
+    at_B = jnp.take_along_axis(pos_BT, row_B[:, None], axis=1)[:, 0] + 2
+    draft_B, q_BV = choose_draft(drafter, key, logits_BU, sampling, coupling, at_B)
     return draft_B, q_BV, h2_BD, cache
 
 
@@ -417,13 +434,15 @@ def extend_logits(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, 
     return pick(logits), pick(h2), cache
 
 
-def draft_tree(drafter: Drafter, dparams, root_logits_BU, hidden_BD, n_B, cache, num_steps: int, topk: int):
+def draft_tree(drafter: Drafter, dparams, root_logits_BU, hidden_BD, n_B, cache, num_steps: int, topk: int, tilt=None):
     """Draft a tree (tree.py): the root's top-`topk` children, then `num_steps` - 1 drafter steps, each over the
     `topk` frontier nodes of its depth (at position n + depth - 1, their parents' h2 as input, seeing the cache below
-    n and their ancestors' scratch entries), each expanding the frontier. Returns the `tree.TreeDraft`."""
+    n and their ancestors' scratch entries), each expanding the frontier. `tilt(logits, depth)`: what the children at
+    `depth` are ranked by instead of the drafter's logits (`_tree_tilt`). Returns the `tree.TreeDraft`."""
     mesh = drafter.target.mesh
     to_ids = drafter.to_target_ids if drafter.d2t is not None else None
-    draft = tree.first_expansion(replicate(root_logits_BU, mesh), topk, to_ids=to_ids)
+    tilt = tilt or (lambda logits, depth: logits)
+    draft = tree.first_expansion(tilt(replicate(root_logits_BU, mesh), 1), topk, to_ids=to_ids)
     B, D = hidden_BD.shape
     entries = (num_steps - 1) * topk
     scratch = drafter.init_scratch(B, max(entries, 1))
@@ -434,7 +453,7 @@ def draft_tree(drafter: Drafter, dparams, root_logits_BU, hidden_BD, n_B, cache,
         logits_BKU, h2_BKD, scratch = drafter.apply_tree(
             dparams, draft.frontier_tokens, hidden_BKD, pos_BK, cache, scratch, (step - 1) * topk, mask_BKM, n_B
         )
-        draft = tree.expand(draft, replicate(logits_BKU, mesh), to_ids=to_ids)
+        draft = tree.expand(draft, tilt(replicate(logits_BKU, mesh), step + 1), to_ids=to_ids)
         parent_BK1 = draft.frontier_parent_slot[:, :, None]
         hidden_BKD = jnp.take_along_axis(replicate(h2_BKD, mesh), parent_BK1, axis=1)
     return draft
@@ -451,9 +470,11 @@ def accept_commit(cfg: LoopConfig, s: LoopState, draft_BJ, qs, out, accept_key):
         accepted_B, next_B = greedy_accept_ids(draft_BJ, out)
     else:
         generated_BT = (s.end_B - s.prompt_len_B)[:, None] + jnp.arange(J + 1, dtype=jnp.int32)
-        p_BTV = jnp.exp(_warp(mask_stops(cfg, s, out, generated_BT), sampling))
-        q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, p_BTV.shape[-1]), jnp.float32)
-        accepted_B, next_B = _speculative_accept(accept_key, draft_BJ, q_BJV, p_BTV)
+        logp_BTV = _warp(mask_stops(cfg, s, out, generated_BT), sampling)
+        q_BJV = jnp.stack(qs[:J], axis=1) if J else jnp.zeros((B, 0, logp_BTV.shape[-1]), jnp.float32)
+        reject = lambda: _speculative_accept(accept_key, draft_BJ, q_BJV, jnp.exp(logp_BTV))
+        at_BT = s.length_B[:, None] + jnp.arange(J + 1, dtype=jnp.int32)
+        accepted_B, next_B = _accept(_coupling(cfg, s), logp_BTV, at_BT, reject, draft_BJ)
     emitted_BT, active_B, committed = commit(cfg, s, draft_BJ, accepted_B, next_B)
     committed = write_logprobs(cfg, committed, out, emitted_BT, s.length_B, active_B)
     return accepted_B, emitted_BT, active_B, committed
@@ -544,9 +565,56 @@ def count_acceptance(J: int, s: LoopState, accepted_B, active_B) -> dict[str, ja
     }
 
 
-def _choose_target(key, out_BV, sampling: Sampling | RowSampling):
-    """A token from the target's output at one position (ids if greedy, else logits)."""
-    return out_BV if sampling.greedy else _sample(key, out_BV, sampling)
+def _choose_target(key, out_BV, sampling: Sampling | RowSampling, coupling: Coupling | None, at_B):
+    """A token from the target's output at one position (ids if greedy, else logits): the token at index `at_B`."""
+    if sampling.greedy:
+        return out_BV
+    drawn = lambda: _sample(key, out_BV, sampling)
+    if coupling is None:
+        return drawn()
+    own = lambda: coupled.target_tokens(coupling.key_B, _warp(out_BV, sampling)[:, None], at_B[:, None])[:, 0]
+    return coupled.select(coupling, own, drawn)
+
+
+def _tree_tilt(drafter: Drafter, coupling: Coupling | None, sampling, n_B):
+    """For a tree's coupled rows that sample (not greedy ones): rank the children at depth d (the tokens at index
+    n + d) by the drafter's warped log-probabilities plus the target's noise there, so a node's best child is the
+    coupled proposal (`coupling.draft_tokens`) and the next are the likeliest other matches; None: no such rows."""
+    if coupling is None:
+        return None
+    vocab = drafter.target.vocab_size
+    rows_B = sampling.temperature_B > 0 if isinstance(sampling, RowSampling) else None
+    if coupling.rows_B is not None:
+        rows_B = coupling.rows_B & rows_B
+    sampled = Coupling(coupling.key_B, rows_B)
+
+    def tilt(logits_B_U, depth: int):
+        def noisy():
+            g_BV = coupled.noise(coupling.key_B, (n_B + depth)[:, None], vocab)[:, 0]
+            if drafter.d2t is not None:
+                g_BV = g_BV[:, drafter.to_target_ids(jnp.arange(logits_B_U.shape[-1], dtype=jnp.int32))]
+            g = g_BV.reshape(g_BV.shape[:1] + (1,) * (logits_B_U.ndim - 2) + g_BV.shape[1:])
+            return _warp(logits_B_U, sampling) + g
+
+        return coupled.select(sampled, noisy, lambda: logits_B_U.astype(jnp.float32))
+
+    return tilt
+
+
+def _accept(coupling: Coupling | None, logp_BTV, at_BT, reject, draft):
+    """Step 3 when sampling: `reject()` (lossless rejection sampling's accept), or in coupled rows the target's own
+    tokens at the verified indices (positions at_BT score the tokens at at_BT + 1) matched as greedy matches argmax
+    ids, against the chain `draft` [B, J] or the `tree.Tree` `draft`."""
+    if coupling is None:
+        return reject()
+
+    def match():
+        ids_BT = coupled.target_tokens(coupling.key_B, logp_BTV, at_BT + 1)
+        if isinstance(draft, tree.Tree):
+            return tree.greedy_accept_tree(draft, ids_BT)
+        return greedy_accept_ids(draft, ids_BT)
+
+    return coupled.select(coupling, match, reject)
 
 
 # ---------------------------------------------------------------------- static or per-row sampling (traced helpers)
@@ -557,6 +625,16 @@ def _greedy(cfg: LoopConfig) -> bool:
 
 def _sampling(cfg: LoopConfig, s: LoopState) -> Sampling | RowSampling:
     return cfg.sampling if cfg.sampling is not None else s.settings.sampling
+
+
+def _coupling(cfg: LoopConfig, s: LoopState) -> Coupling | None:
+    """The rows that sample coupled (coupling.py): every row under static settings with `cfg.coupled` (its state
+    has per-row keys), a per-row state's rows whose settings say so; None when none can (greedy, or rejection)."""
+    if _greedy(cfg):
+        return None
+    if cfg.sampling is not None:
+        return Coupling(s.key, None) if cfg.coupled else None
+    return Coupling(s.key, s.settings.coupled_B)
 
 
 # What a per-row draw is for (`_draws`): each purpose folds its own keys from the row's key.
@@ -588,7 +666,11 @@ def _warp(logits: jax.Array, sampling: Sampling | RowSampling) -> jax.Array:
 
 
 def _sample(key: jax.Array, logits: jax.Array, sampling: Sampling | RowSampling) -> jax.Array:
-    return sample_rows(key, logits, sampling) if isinstance(sampling, RowSampling) else sample(key, logits, sampling)
+    if isinstance(sampling, RowSampling):
+        return sample_rows(key, logits, sampling)
+    if key.ndim:  # static settings on per-row keys (coupled: `LoopConfig.coupled`)
+        return jax.vmap(lambda k, x: sample(k, x, sampling))(key, logits)
+    return sample(key, logits, sampling)
 
 
 def _speculative_accept(key, draft_BJ, q_BJV, p_BTV):

@@ -41,10 +41,15 @@ class LoopConfig:
     # captured target states of its token (LoopState.aux_BSI), so the next drafting program catches the drafter up
     # over them (adaptive serving switches shapes between segments).
     track_drafter: bool = False
+    # Static sampling that is coupled (decoding/coupling.py) rather than rejection sampling: the state's keys are then
+    # one per row (`LoopState.with_row_seeds`). Per-row states take it from each row's settings (coupled_B).
+    coupled: bool = False
 
     def __post_init__(self):
         if not isinstance(self.draft, DraftShape):
             raise ValueError(f"LoopConfig.draft: expected a DraftShape, got {self.draft!r}")
+        if self.coupled and self.sampling is None:
+            raise ValueError("LoopConfig.coupled: per-row states take it from each row's settings, got sampling None")
         if self.logprobs and self.sampling is not None:
             raise ValueError("LoopConfig.logprobs: needs per-row sampling (sampling None), got static sampling")
 
@@ -219,6 +224,13 @@ class LoopState:
         host = (tokens, prompt_len, np.int32(max_new_tokens), np.int32(len(prompts)))
         return _fill(self, *put_global(host, rep))
 
+    def with_row_seeds(self, seeds: list[int]) -> LoopState:
+        """One key per row, row b's `jax.random.key(seeds[b])`, for static settings that sample coupled
+        (`LoopConfig.coupled`): the rows' draws are then folded from their own keys and positions, as a per-row
+        state's are, and carried unchanged."""
+        host = put_global(np.asarray(seeds, np.uint32), self.tokens_BS.sharding.update(spec=PartitionSpec()))
+        return self.replace(key=_row_keys(host))
+
     # ------------------------------------------------------------------ rows (traceable)
     def admit(self, row, init: RowInit) -> LoopState:
         """Write one admitted request into row `row`: prompt, budget, settings, key (from its seed). The row stays
@@ -341,6 +353,7 @@ class RowSettings:
     # fewer than min_new_B tokens (int32; min_tokens as vLLM applies it).
     min_new_B: Any
     ignore_eos_B: Any  # bool: the config's stop ids do not stop the row (its own still do; ignore_eos as vLLM)
+    coupled_B: Any  # bool: the row samples coupled (decoding/coupling.py), not by rejection sampling
 
     @classmethod
     def empty(cls, B: int) -> RowSettings:
@@ -348,7 +361,7 @@ class RowSettings:
         zeros = lambda dtype: jnp.zeros((B,), dtype)
         sampling = RowSampling(zeros(jnp.float32), zeros(jnp.int32), zeros(jnp.float32) + 1)
         stop_ids = jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
-        return cls(sampling, stop_ids, zeros(bool), zeros(jnp.int32), zeros(bool))
+        return cls(sampling, stop_ids, zeros(bool), zeros(jnp.int32), zeros(bool), zeros(bool))
 
     @classmethod
     def of(cls, spec: RowSpec) -> RowSettings:
@@ -357,7 +370,8 @@ class RowSettings:
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(spec.stop_ids)] = spec.stop_ids
         sampling = RowSampling(np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p))
-        return cls(sampling, stop, np.bool_(spec.logprobs), np.int32(spec.min_new), np.bool_(spec.ignore_eos))
+        flags = np.bool_(spec.logprobs), np.int32(spec.min_new), np.bool_(spec.ignore_eos)
+        return cls(sampling, stop, *flags, np.bool_(spec.coupled))
 
 
 @struct.dataclass
@@ -384,6 +398,11 @@ class RowInit:
         given = np.int32(-1 if first is None else first)
         row = np.int32(len(prompt)), np.int32(max_new), np.uint32(spec.seed)
         return cls(tokens, *row, RowSettings.of(spec), given)
+
+
+@jax.jit
+def _row_keys(seeds_B: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.key)(seeds_B)
 
 
 @jax.jit

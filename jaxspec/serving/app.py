@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import importlib.metadata
 import logging
 import time
@@ -38,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from jaxspec.decoding.sampling_params import SAMPLING_DEFAULT, SAMPLING_MODES, derive_seed
 from jaxspec.serving.access import TENANT, AccessConfig, Guard, cache_partition
 from jaxspec.serving.choices import Choice, Run, completion, sse
 from jaxspec.serving.engine import Engine, QueueFull
@@ -80,6 +80,7 @@ def create_app(
     chat_format: str = "auto",
     access: AccessConfig | None = None,
     allow_special: bool = False,
+    sampling: str = SAMPLING_DEFAULT,
 ) -> FastAPI:
     """The app around a warmed-up `engine` (started and stopped with the app's lifespan).
 
@@ -87,7 +88,11 @@ def create_app(
     without chat tokens, such as the bundled pair's) or "auto" (kimi when the vocabulary has its tokens).
     access: API keys, the prefix cache's partition by key, and the body limits (`access.py`). allow_special: a
     completions prompt's special-token text becomes those tokens (off: it is plain text, as chat messages always are).
+    sampling: how sampled choices are verified unless a request says ("coupled", "rejection", or "auto": coupled
+    for requests with a seed, so a seed reproduces its text whatever the load; `SAMPLING_MODES`).
     """
+    if sampling not in SAMPLING_MODES:
+        raise ValueError(f"sampling: expected one of {', '.join(SAMPLING_MODES)}, got {sampling!r}")
     text = _Encoder(tokenizer, _resolve_chat_format(tokenizer, chat_format), allow_special)
 
     @asynccontextmanager
@@ -106,7 +111,7 @@ def create_app(
         log.info("engine stopped")
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)
-    app.state.engine, app.state.chat_format = engine, text.chat_format
+    app.state.engine, app.state.chat_format, app.state.sampling = engine, text.chat_format, sampling
     app.add_middleware(Guard, config=access or AccessConfig())
     _add_error_handlers(app)
     _add_info_routes(app, engine, text, model_name)
@@ -266,21 +271,11 @@ def _resolve_chat_format(tokenizer, chat_format: str) -> str:
         return "plain"
 
 
-def derive_seed(seed: int, *path: int) -> int:
-    """The 32-bit engine seed at `path` below a request's `seed` (a uint32: the protocol refuses larger ones rather
-    than wrap them) for choice j; the all-zero path is the seed itself, so choice 0 of n samples what the same request
-    with n = 1 does."""
-    if not any(path):
-        return seed
-    digest = hashlib.blake2b("/".join(map(str, (seed, *path))).encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
-
-
 def _choices(
-    engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool, salt: str | None
+    engine: Engine, tokenizer, body: GenerateParams, prompts: list[list[int]], chat: bool, salt: str | None, sampling
 ) -> list[Choice]:
     """One choice per prompt and sample (index = prompt * n + j), each checked against the engine's context; `salt`
-    partitions their prefix cache."""
+    partitions their prefix cache; `sampling` is the server's mode (`create_app`)."""
     cfg, vocab = engine.config, engine.target.vocab_size
     refused = body.refusal() or _logprob_refusal(body, chat)
     if refused:
@@ -316,7 +311,7 @@ def _choices(
         for j in range(body.n):
             seed = None if body.seed is None else derive_seed(body.seed, j)
             text = ChoiceText(tokenizer, stop_ids, body.stop)
-            spec = body.row_spec(seed, max(max_tokens, 1), salt)  # max_tokens 0 (echo): one token, dropped
+            spec = body.row_spec(seed, max(max_tokens, 1), salt, sampling)  # max_tokens 0 (echo): one token
             choices.append(Choice(len(choices), list(prompt), max_tokens, spec, text))
     return choices
 
@@ -332,7 +327,8 @@ def _logprob_refusal(body: GenerateParams, chat: bool) -> tuple[str, str] | None
 
 async def _serve(engine, tokenizer, model_name, body: GenerateParams, prompts: list[list[int]], http: Request, chat):
     salt = cache_partition(http.scope.get("state", {}).get(TENANT), body.cache_salt)
-    run = Run(engine, tokenizer, body, _choices(engine, tokenizer, body, prompts, chat, salt), chat)
+    choices = _choices(engine, tokenizer, body, prompts, chat, salt, http.app.state.sampling)
+    run = Run(engine, tokenizer, body, choices, chat)
     try:
         run.start()
     except QueueFull as e:

@@ -90,6 +90,10 @@ class GenerateParams(BaseModel):
     user: Text | None = Field(None, max_length=MAX_USER_CHARS)
     # extension (as vLLM): requests with different salts never share prefix-cache blocks (no salt: the shared cache)
     cache_salt: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
+    # extension: how a sampled choice is verified: "coupled", its text depends on its seed alone (never on the draft
+    # shape, the batch or the load), or "rejection", lossless rejection sampling (more tokens accepted); None: the
+    # server's --sampling
+    sampling: Literal["coupled", "rejection"] | None = None
     # Declared so that a neutral value passes and any other is refused by name (`refusal`).
     echo: Any = None
     presence_penalty: Any = None
@@ -112,14 +116,19 @@ class GenerateParams(BaseModel):
         """Alternatives per token, or None when no logprobs are asked for (each endpoint says how it asks)."""
         return None
 
-    def row_spec(self, seed: int | None, budget: int, cache_salt: str | None = None) -> RowSpec:
+    def row_spec(
+        self, seed: int | None, budget: int, cache_salt: str | None = None, server_sampling: str = "rejection"
+    ) -> RowSpec:
         """One choice's settings: its `seed` (None: the engine draws one), its `budget` of tokens (min_tokens is
-        capped by it) and its prefix cache's salt (the request's, or one the server derives from it)."""
+        capped by it), its prefix cache's salt (the request's, or one the server derives from it) and whether it
+        samples coupled: the request's `sampling`, else the server's ("auto": coupled when the request has a seed)."""
         sampling = Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         scored = self.top_logprobs_count is not None
         stop_ids = tuple(self.stop_token_ids)
         min_new = min(self.min_tokens, budget)
-        return RowSpec(sampling, stop_ids, seed, scored, min_new, self.ignore_eos, cache_salt)
+        mode = self.sampling or server_sampling
+        coupled = mode == "coupled" or (mode == "auto" and self.seed is not None)
+        return RowSpec(sampling, stop_ids, seed, scored, min_new, self.ignore_eos, cache_salt, coupled)
 
     def refusal(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this server does not implement, else None."""

@@ -42,3 +42,27 @@ def reference(pair):
         return run(tuple(prompt))[:max_tokens]
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def coupled_reference(pair):
+    """coupled_reference(prompt_ids, max_tokens, spec) -> the tokens plain decoding samples for the prompt with the
+    spec's sampling settings and seed, coupled (`jaxspec.generate(..., sampling="coupled")`): what a coupled request
+    must give whatever its draft shapes."""
+    target, _, tokenizer = pair
+
+    @functools.cache
+    def run(prompt: tuple[int, ...], sampling, seed: int) -> list[int]:
+        settings = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        out = generate(
+            target, None, [list(prompt)], max_new_tokens=REF_TOKENS, num_steps=0, tokenizer=tokenizer, seed=seed,
+            sampling="coupled", **settings,
+        )  # fmt: skip
+        return out.tokens[0]
+
+    def reference(prompt, max_tokens: int, spec) -> list[int]:
+        assert max_tokens <= REF_TOKENS, f"coupled_reference: raise REF_TOKENS to {max_tokens}"
+        assert spec.coupled and spec.seed is not None
+        return run(tuple(prompt), spec.sampling, spec.seed)[:max_tokens]
+
+    return reference

@@ -85,6 +85,19 @@ def test_sampled_rows_are_reproducible_under_a_switching_script(engine, prompts)
     assert again.tokens == first.tokens and len(first.tokens) > 1
 
 
+@pytest.mark.parametrize("script", SCRIPTS[:2])
+def test_coupled_rows_give_plain_sampling_whatever_the_script(engine, prompts, reference, coupled_reference, script):
+    """A coupled row's tokens are plain coupled sampling's with its seed (`jaxspec.generate(..., sampling=
+    "coupled")`) whatever shape each segment ran, next to a rejection-sampled row and a greedy one (which gives the
+    greedy reference)."""
+    specs = [RowSpec(Sampling(1.0), seed=4, coupled=True), RowSpec(Sampling(0.7, top_k=20), seed=9, coupled=True)]
+    coupled = [Request(prompts[3], 16, specs[0]), Request(prompts[6], 12, specs[1])]
+    others = [Request(prompts[1], 10, RowSpec(Sampling(0.9), seed=3)), Request(prompts[0], 8)]
+    run(engine, [coupled[0], others[0], coupled[1], others[1]], script)
+    assert [r.tokens for r in coupled] == [coupled_reference(r.prompt, r.max_tokens, r.spec) for r in coupled]
+    assert others[1].tokens == reference(prompts[0], 8) and others[0].finish_reason in ("stop", "length")
+
+
 def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, prompts):
     """Plain segments leave the drafter behind (their target states kept); the next chain segment first runs the
     drafter over them: its cache over every processed position then equals what a fresh prefill of the same tokens

@@ -53,7 +53,7 @@ def serve(engine, requests: list[Request], *, cache: bool) -> list[Request]:
     return requests
 
 
-def test_prefix_hits_give_the_cold_greedy_and_sampled_tokens(engine, prompts, reference):
+def test_prefix_hits_give_the_cold_greedy_and_sampled_tokens(engine, prompts, reference, coupled_reference):
     system = sum(prompts, [])[:40]  # positions 0..31 reusable (two chunks of 16) when token 32 matches too
     users = [prompts[i][:n] for i, n in ((0, 5), (2, 9), (4, 1))]
     sampling = Sampling(0.9, top_k=40, top_p=0.95)
@@ -62,7 +62,7 @@ def test_prefix_hits_give_the_cold_greedy_and_sampled_tokens(engine, prompts, re
         chat = [Request(system + u, 12) for u in users]
         edge = Request(system[:32], 8)  # ends on a block edge: reuses 16 (its last position is prefilled)
         inside = Request(system[:37], 8, RowSpec(sampling, seed=3))  # ends inside a block
-        return chat + [edge, inside, Request(system + users[0], 10, RowSpec(sampling, seed=7))]
+        return chat + [edge, inside, Request(system + users[0], 10, RowSpec(sampling, seed=7, coupled=True))]
 
     engine.scheduler.tables.pool.clear()
     cold = serve(engine, batch(), cache=False)
@@ -73,13 +73,15 @@ def test_prefix_hits_give_the_cold_greedy_and_sampled_tokens(engine, prompts, re
     assert [r.tokens for r in warm] == [r.tokens for r in cold]
     for r in warm[:3]:
         assert r.tokens == reference(r.prompt, 12)
+    assert warm[-1].tokens == coupled_reference(warm[-1].prompt, 10, warm[-1].spec)
 
 
 def test_requests_needing_more_than_the_pool_complete_with_their_single_request_tokens(
-    engine, prompts, reference, monkeypatch
+    engine, prompts, reference, coupled_reference, monkeypatch
 ):
-    """Two long rows need 11 blocks of the 10: the newer (sampled, seeded) is preempted, and resumed by recomputing
-    its prompt and tokens; each request's tokens are those it gets alone (greedy: the single-request reference)."""
+    """Two long rows need 11 blocks of the 10: the newer (sampled, seeded, coupled) is preempted, and resumed by
+    recomputing its prompt and tokens; each request's tokens are those it gets alone (greedy: the single-request
+    reference; coupled: plain coupled sampling's)."""
     text = sum(prompts, [])
     assert len(text) >= 130
     sampling = Sampling(1.0)
@@ -87,7 +89,7 @@ def test_requests_needing_more_than_the_pool_complete_with_their_single_request_
     def batch():
         return [
             Request(text[:60], 24),
-            Request(text[60:103], 24, RowSpec(sampling, seed=5)),
+            Request(text[60:103], 24, RowSpec(sampling, seed=5, coupled=True)),
             Request(text[103:130], 20, RowSpec(sampling, seed=9)),
         ]
 
@@ -104,4 +106,5 @@ def test_requests_needing_more_than_the_pool_complete_with_their_single_request_
     assert preempted and all(preempted)  # preempted while generating
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert together[0].tokens == reference(together[0].prompt, 24)
+    assert together[1].tokens == coupled_reference(together[1].prompt, 24, together[1].spec)
     assert engine.scheduler.tables.pool.used == 0

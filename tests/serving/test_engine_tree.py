@@ -62,11 +62,12 @@ def test_the_context_a_request_needs_counts_the_trees_verify_width(engine):
     assert "exceeds the context of 128" in engine.check(100, 128 - 100 - 6)
 
 
-def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair, prompts, reference):
+def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair, prompts, reference, coupled_reference):
     """`--num-steps auto --topk N`: plain decoding and the tree are the candidates, on one loop state (plain segments
     keep the target states a tree's catch-up then drafts from). Whatever shape each segment runs: greedy rows give
-    the single-request reference, a sampled row the same tokens under the same script, nothing compiles after
-    warm-up; the tree's counters are its own (per depth)."""
+    the single-request reference, a sampled row the same tokens under the same script, a coupled row plain
+    sampling's tokens under any script, nothing compiles after warm-up; the tree's counters are its own (per
+    depth)."""
     engine = warm_engine(pair, dataclasses.replace(CONFIG, adaptive=True))
     plain, tree = DraftShape(0), CONFIG.draft
     assert engine.config.shapes == (plain, tree) and set(engine.scheduler.policy.shapes) == {plain, tree}
@@ -80,4 +81,9 @@ def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair,
     for r in sampled:
         run(engine, [r], (tree, plain))
     assert sampled[0].tokens == sampled[1].tokens and len(sampled[0].tokens) == 12
+    spec = RowSpec(Sampling(1.0, top_p=0.9), seed=6, coupled=True)  # coupled: plain sampling's tokens, any script
+    for script in ((tree, plain), (plain, tree, tree)):
+        coupled = Request(prompts[1], 16, spec)
+        run(engine, [coupled, Request(prompts[4], 10, RowSpec(Sampling(0.8), seed=2))], script)
+        assert coupled.tokens == coupled_reference(prompts[1], 16, spec)
     assert engine.executor.loop.traces == traces
