@@ -551,17 +551,21 @@ def write_logprobs(cfg: LoopConfig, s: LoopState, logits_BTV, tokens_BT, start_B
 
 
 def count_acceptance(J: int, s: LoopState, accepted_B, active_B) -> dict[str, jax.Array]:
-    """Step 6: per-position reached/accepted counters and the accepted-length histogram, over active rows (the
-    LoopState fields they replace). The counters may be deeper than J (a state built for a deeper draft): positions
-    past J are not verified by this cycle, so they count nothing."""
+    """Step 6: per-position reached/accepted counters and the accepted-length histogram, over active rows, and each
+    active row's own cycles and accepted positions (the LoopState fields they replace). The counters may be deeper
+    than J (a state built for a deeper draft): positions past J are not verified by this cycle, so they count
+    nothing."""
     idx_J = jnp.arange(s.reached_J.shape[0], dtype=jnp.int32)
-    count = lambda m: jnp.sum(m & active_B[:, None], axis=0, dtype=jnp.int32)
+    rows = lambda m: m & active_B[:, None]
+    count = lambda m: jnp.sum(rows(m), axis=0, dtype=jnp.int32)
     drafted_J = idx_J < J
     return {
         "cycles": s.cycles + 1,
         "reached_J": s.reached_J + count((accepted_B[:, None] >= idx_J) & drafted_J),
         "accepted_J": s.accepted_J + count(accepted_B[:, None] > idx_J),
         "accept_hist_T": s.accept_hist_T + count(accepted_B[:, None] == jnp.arange(s.accept_hist_T.shape[0])),
+        "row_cycles_B": s.row_cycles_B + active_B.astype(jnp.int32),
+        "row_accepted_BJ": s.row_accepted_BJ + rows(accepted_B[:, None] > idx_J).astype(jnp.int32),
     }
 
 

@@ -107,6 +107,12 @@ class LoopState:
     reached_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often draft position j+1 was verified
     accepted_J: jax.Array = struct.field(**_axes(None))  # int32 [J]: how often it was accepted
     accept_hist_T: jax.Array = struct.field(**_axes(None))  # int32 [J+1]: cycles that accepted exactly t drafts
+    # The same per row, since the row's admission (the serving executor reads them back with each row's tokens, so a
+    # request's response can say what speculation did for it): the cycles the row took part in, and per draft
+    # position how often it accepted that position's draft (a chain's or a tree path's; a cycle that accepted t
+    # drafts counts positions 1..t).
+    row_cycles_B: jax.Array = struct.field(**_axes(0))  # int32 [B]
+    row_accepted_BJ: jax.Array = struct.field(**_axes(0))  # int32 [B, J]
     # Per-row states (LoopConfig.sampling None: the serving engine): each row's request settings (a `RowSpec` per
     # row); `key` is then one key per row (from the spec's seed), so a row's random draws depend only on its own seed
     # and history.
@@ -197,6 +203,8 @@ class LoopState:
                 reached_J=jnp.zeros((J,), jnp.int32),
                 accepted_J=jnp.zeros((J,), jnp.int32),
                 accept_hist_T=jnp.zeros((J + 1,), jnp.int32),
+                row_cycles_B=z(),
+                row_accepted_BJ=jnp.zeros((B, J), jnp.int32),
             )
             if per_row:
                 fields["settings"] = RowSettings.empty(B)
@@ -233,9 +241,10 @@ class LoopState:
 
     # ------------------------------------------------------------------ rows (traceable)
     def admit(self, row, init: RowInit) -> LoopState:
-        """Write one admitted request into row `row`: prompt, budget, settings, key (from its seed). The row stays
-        done (cycles skip it) until its last prefill chunk; its length is the prompt length, so the positions that
-        riding-along cycles overwrite lie past the prompt (and are rewritten before they are read)."""
+        """Write one admitted request into row `row`: prompt, budget, settings, key (from its seed), its counters at
+        zero. The row stays done (cycles skip it) until its last prefill chunk; its length is the prompt length, so
+        the positions that riding-along cycles overwrite lie past the prompt (and are rewritten before they are
+        read)."""
         set_ = lambda x, v: x.at[row].set(v)
         return self.replace(
             tokens_BS=set_(self.tokens_BS, init.tokens_S),
@@ -247,6 +256,8 @@ class LoopState:
             key=set_(self.key, jax.random.key(init.seed)),
             settings=jax.tree.map(set_, self.settings, init.settings),
             first_given_B=set_(self.first_given_B, init.first >= 0),
+            row_cycles_B=set_(self.row_cycles_B, 0),
+            row_accepted_BJ=set_(self.row_accepted_BJ, 0),
         )
 
     def set_aside(self, *names: str) -> tuple[LoopState, dict[str, Any]]:

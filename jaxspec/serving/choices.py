@@ -3,6 +3,9 @@ usage of the whole request, and the response in OpenAI's shapes (one body, or se
 
 `Run` holds the engine requests of one HTTP request (one per choice) and the queue their updates arrive on from the
 engine's thread; `completion` and `sse` turn its choices into OpenAI's text_completion / chat.completion objects.
+Each choice carries what speculation did for it (`metrics.speculative_decoding`, speculation.py: on the choice, and
+its final chunk when streamed), and the response's root carries the whole request's, where vLLM puts it and aiperf
+reads it (once per response: on the last chunk of a stream).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from jaxspec.serving.engine import Engine, QueueFull
 from jaxspec.serving.engine import Request as EngineRequest
 from jaxspec.serving.logprobs import chat_logprobs, completion_logprobs
 from jaxspec.serving.protocol import GenerateParams
+from jaxspec.serving.speculation import Speculation
 from jaxspec.serving.text import ChoiceText
 
 
@@ -38,6 +42,7 @@ class Choice:
     prompt_scores: list = dataclasses.field(default_factory=list)
     sent: int = -1  # tokens whose scores a stream sent; -1: not even the echoed prompt's
     offset: int = 0  # text offset of the next token a stream sends
+    speculation: Speculation | None = None  # as of the update that finished it (the engine's thread keeps counting)
 
 
 class Run:
@@ -62,7 +67,9 @@ class Run:
     def _submit(self, c: Choice) -> None:
         r = EngineRequest(list(c.prompt), max(c.max_tokens, 1), c.spec, echo=self.echo and self.top is not None)
         put = self.updates.put_nowait
-        r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(put, (i, r, new, r.finish_reason))
+        r.on_update = lambda r, new, i=c.index: self._loop.call_soon_threadsafe(
+            put, (i, r, new, r.finish_reason, r.speculation)
+        )
         self.engine.submit(r)
         c.request, c.taken = r, 0
 
@@ -71,10 +78,12 @@ class Run:
             if c.request is not None and not c.request.finished:
                 self.engine.cancel(c.request)
 
-    def apply(self, c: Choice, r: EngineRequest, new: list[int], reason: str | None) -> str | None:
-        """Take one engine update of choice `c`; the text delta to send, or None for a stale update."""
+    def apply(self, c: Choice, r: EngineRequest, new: list[int], reason: str | None, spec=None) -> str | None:
+        """Take one engine update of choice `c` (with its request's speculation then, `spec`); the text delta to
+        send, or None for a stale update."""
         if r is not c.request or c.reason is not None:
             return None  # from a part that a stop string ended, or after the choice finished
+        c.speculation = spec
         if self.top is not None:
             c.scores.extend(r.token_logprobs[c.taken : c.taken + len(new)])
             c.taken += len(new)
@@ -127,9 +136,9 @@ class Run:
         try:
             left = len(self.choices)
             while left:
-                i, r, new, reason = await next_update()
+                i, r, new, reason, spec = await next_update()
                 c = self.choices[i]
-                delta = self.apply(c, r, new, reason)
+                delta = self.apply(c, r, new, reason, spec)
                 if delta is None or not (delta or c.reason):
                     continue
                 yield i, delta, c.reason
@@ -138,6 +147,13 @@ class Run:
                     return
         finally:
             self.cancel()
+
+    def metrics(self, c: Choice | None = None) -> dict[str, Any]:
+        """The `metrics` object of choice `c` (None: of the whole request, every choice's counts together)."""
+        depth = self.engine.config.draft.num_steps
+        of = lambda c: c.speculation or Speculation(depth)  # noqa: E731 (a choice never admitted: nothing)
+        spec = of(c) if c is not None else Speculation.total(of(c) for c in self.choices)
+        return {"speculative_decoding": spec.to_dict()}
 
     def usage(self, prompts: list[list[int]]) -> dict[str, Any]:
         """Token counts, each prompt once whatever n is (as OpenAI), with its tokens reused from the prefix cache
@@ -159,26 +175,30 @@ def completion(header: dict, chat: bool, run: Run, usage: dict) -> dict[str, Any
             body["message"] = {"role": "assistant", "content": c.text.text}
         else:
             body["text"] = (c.prefix or "") + c.text.text
-        out.append(body)
+        out.append(body | {"metrics": run.metrics(c)})
     kind = "chat.completion" if chat else "text_completion"
-    return {**header, "object": kind, "choices": out, "usage": usage}
+    return {**header, "object": kind, "choices": out, "usage": usage, "metrics": run.metrics()}
 
 
 async def sse(events, header: dict, chat: bool, run: Run, usage: Callable | None) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format; a chunk carries the logprobs of the tokens it completes. With
-    stream_options.include_usage (`usage` given), the usage comes on one extra chunk with no choices after the last
-    choice has finished, and nowhere else (as OpenAI)."""
+    """Server-sent events in OpenAI's chunk format; a chunk carries the logprobs of the tokens it completes, and a
+    choice's final chunk its `metrics`. With stream_options.include_usage (`usage` given), the usage comes on one
+    extra chunk with no choices after the last choice has finished, and nowhere else (as OpenAI); the request's
+    `metrics` come on that chunk (as vLLM's), else on the last choice's final chunk: on one chunk only, as aiperf
+    counts them once per request."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    left = len(run.choices)
 
     def event(choices, **extra) -> str:
         return f"data: {json.dumps({**header, 'object': kind, 'choices': choices, **extra})}\n\n"
 
     def choice(i: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
         logprobs = None if first else run.logprobs(run.choices[i], stream=True)
+        metrics = {"metrics": run.metrics(run.choices[i])} if reason is not None else {}
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-        return {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs, **metrics}
+        return {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs, **metrics}
 
     if chat:
         for i in range(len(run.choices)):
@@ -190,7 +210,9 @@ async def sse(events, header: dict, chat: bool, run: Run, usage: Callable | None
         if text:
             yield event([choice(i, text, None)])
         if reason is not None:
-            yield event([choice(i, None, reason)])
+            left -= 1
+            root = {"metrics": run.metrics()} if not left and usage is None else {}
+            yield event([choice(i, None, reason)], **root)
     if usage is not None:
-        yield event([], usage=usage())
+        yield event([], usage=usage(), metrics=run.metrics())
     yield "data: [DONE]\n\n"

@@ -222,11 +222,14 @@ class Executor:
             return ()
         s = self.state
         host = (s.tokens_BS, s.prompt_len_B, s.end_B, s.done_B, s.settings.logprobs_B)
-        tokens_BS, prompt_len_B, end_B, done_B, wants_B = to_host(host)  # one read per step, not per row
+        counters = (s.row_cycles_B, s.row_accepted_BJ)  # the rows' own (speculation.py)
+        # one read per step, not per row
+        (tokens_BS, prompt_len_B, end_B, done_B, wants_B), (cycles_B, accepted_BJ) = to_host((host, counters))
         results = []
         for r in plan.read:
             end = int(end_B[r.row])
-            result = RowResult(r.row, tuple(tokens_BS[r.row, r.start : end].tolist()), bool(done_B[r.row]))
+            tokens, counts = tuple(tokens_BS[r.row, r.start : end].tolist()), tuple(accepted_BJ[r.row].tolist())
+            result = RowResult(r.row, tokens, bool(done_B[r.row]), cycles=int(cycles_B[r.row]), accepted=counts)
             if wants_B[r.row]:  # token i's scores are at position i - 1
                 scores = jax.tree.leaves(to_host(_row_logprobs(s.logprobs, np.int32(r.row))))
                 prompt = _scores(scores, 0, int(prompt_len_B[r.row]) - 1) if r.prompt else None

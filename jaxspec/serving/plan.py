@@ -30,7 +30,7 @@ from typing import Any
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling_params import RowSpec
 
-FORMAT = 3  # the serialised form's version (`to_bytes` writes it, `from_bytes` checks it)
+FORMAT = 4  # the serialised form's version (`to_bytes` writes it, `from_bytes` checks it)
 
 
 def _int(owner: str, name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -227,13 +227,17 @@ TokenLogprob = tuple[float, tuple[int, ...], tuple[float, ...]]
 @dataclasses.dataclass(frozen=True)
 class RowResult:
     """A read row after the step: the tokens it gained from the read's start, and whether it is done; for a row that
-    wants logprobs, each token's (`logprobs`) and, when the read asked, the prompt's tokens 1.. (`prompt_logprobs`)."""
+    wants logprobs, each token's (`logprobs`) and, when the read asked, the prompt's tokens 1.. (`prompt_logprobs`).
+    `cycles` and `accepted`: the row's own counters since its admission (`LoopState.row_cycles_B`, `row_accepted_BJ`):
+    the cycles it took part in, and per draft position how many of them accepted that position's draft."""
 
     row: int
     tokens: tuple[int, ...]
     done: bool
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    cycles: int = 0
+    accepted: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RowResult:
@@ -241,7 +245,7 @@ class RowResult:
             return None if x is None else tuple((lp, tuple(ids), tuple(lps)) for lp, ids, lps in x)
 
         lps = scores(d.get("logprobs")), scores(d.get("prompt_logprobs"))
-        return cls(d["row"], tuple(d["tokens"]), d["done"], *lps)
+        return cls(d["row"], tuple(d["tokens"]), d["done"], *lps, d["cycles"], tuple(d["accepted"]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.plan import TokenLogprob
+from jaxspec.serving.speculation import Speculation
 
 log = logging.getLogger("jaxspec.serving")
 
@@ -39,6 +40,9 @@ class Request:
     last_token_at: float | None = None
     slot: int | None = None
     cached_tokens: int = 0  # prompt tokens whose cache came from the prefix cache
+    # what speculation did for it so far (set at its first admission; replaced, never changed in place, so another
+    # thread reads one consistent value)
+    speculation: Speculation | None = None
 
     @property
     def finished(self) -> bool:

@@ -44,11 +44,13 @@ from jaxspec.serving.plan import (
     RowAdmission,
     RowBlocks,
     RowRead,
+    RowResult,
     Segment,
     StepPlan,
     StepResult,
 )
 from jaxspec.serving.request import Delivery, QueueFull, Request, StepReport
+from jaxspec.serving.speculation import Speculation
 
 __all__ = ["QueueFull", "Request", "Scheduler", "SlotConfig", "StepReport"]
 
@@ -90,6 +92,7 @@ class Slot:
     order: int = 0  # admission order: the newest row is preempted first
     prompt_len: int = 0  # the row's prompt: the request's, and a resumed one's tokens but the last
     drafter: bool = True  # its prefill runs the drafter over the prompt (the policy's call at admission)
+    counted: tuple[int, tuple[int, ...]] = (0, ())  # the row's counters (cycles, accepted) its request has counted
 
 
 class Scheduler:
@@ -261,6 +264,7 @@ class Scheduler:
             if slot is None or slot.next_chunk is not None:
                 raise ValueError(f"StepResult.rows: row {row.row} holds no generating request")
             r, new = slot.request, list(row.tokens)
+            self._count(slot, row)
             if row.prompt_logprobs is not None:
                 r.prompt_logprobs = list(row.prompt_logprobs)
             if row.logprobs is not None:
@@ -297,6 +301,18 @@ class Scheduler:
         return StepReport((), self._take_finished())
 
     # ------------------------------------------------------------------ internals
+    def _count(self, slot: Slot, row: RowResult) -> None:
+        """Add what the row's counters gained since its request last counted them to the request's speculation,
+        under this step's draft shape (only a segment runs cycles)."""
+        zero = (0,) * self.draft.num_steps
+        (cycles, accepted), now = slot.counted, row.accepted or zero
+        gained = row.cycles - cycles, [a - b for a, b in zip(now, accepted or zero, strict=True)]
+        if gained[0] and self._segment_run is None:
+            raise ValueError(f"StepResult.rows: row {row.row} ran {gained[0]} cycles in a step without a segment")
+        if gained[0]:
+            slot.request.speculation = slot.request.speculation.plus(self._segment_run.draft, *gained)
+        slot.counted = row.cycles, now
+
     def _apply_cancels(self) -> tuple[int, ...]:
         """Finish the cancelled requests; returns the rows to free (theirs and any abandoned ones)."""
         with self._lock:
@@ -339,6 +355,8 @@ class Scheduler:
             self.policy.admitted(drafter)
             if not given:
                 request.cached_tokens = cached
+            if request.speculation is None:  # a resumed request keeps what it had
+                request.speculation = Speculation(self.draft.num_steps)
             if request.spec.seed is None:  # kept: a resumed request draws from the same seed
                 request.spec = dataclasses.replace(request.spec, seed=self.seeds())
             spec = request.spec

@@ -52,6 +52,8 @@ class FakeRow:
     tokens: list[int]  # prompt + generated, as the device's tokens_BS row
     prefilled: int = 0  # prompt positions processed
     done: bool = True  # as the device: a row is done until its last prefill chunk
+    cycles: int = 0  # the row's counters since its admission, as the device keeps them
+    accepted: list[int] = dataclasses.field(default_factory=list)
 
     def generated(self) -> int:
         return len(self.tokens) - len(self.admission.prompt)
@@ -65,15 +67,18 @@ class FakeRow:
 
 class FakeExecutor:
     """Runs plans as the device does (free, admit, prefill, segment, read), on host rows; each generating row gains
-    1 to J+1 tokens per cycle. It checks what the device relies on: chunks in order, and blocks that hold every
-    position a generating row writes (the device writes each row's entries into its own blocks in place)."""
+    1 to J+1 tokens per cycle (it accepted the cycle's drafts but one). It checks what the device relies on: chunks
+    in order, and blocks that hold every position a generating row writes (the device writes each row's entries into
+    its own blocks in place). `ledger[seed]`: what each request's cycles did (per draft shape label, its cycles and
+    accepted drafts per position), whichever rows ran it; `depth`: the deepest draft (the rows' counters' length)."""
 
     Row = FakeRow
 
-    def __init__(self, shape: Shape):
+    def __init__(self, shape: Shape, depth: int = 3):
         self.shape, self.rows, self.plans = shape, [None] * shape.max_batch, []
         self.owned = [0] * shape.max_batch  # each row's blocks (its table's length)
-        self.cycle = 0
+        self.cycle, self.depth = 0, depth
+        self.ledger: dict[int, dict[str, list[int]]] = {}
 
     def run(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -82,7 +87,7 @@ class FakeExecutor:
         for b in plan.blocks:
             self.owned[b.row] = len(b.blocks)
         for a in plan.admit:
-            self.rows[a.row] = self.Row(a, list(a.prompt), a.cached)
+            self.rows[a.row] = self.Row(a, list(a.prompt), a.cached, accepted=[0] * self.depth)
         for chunk in plan.prefill:
             row = self.rows[chunk.row]
             assert chunk.start == row.prefilled and row.done, "prefill chunks run in order, on a row not generating"
@@ -97,7 +102,8 @@ class FakeExecutor:
             row = self.rows[read.row]
             assert read.start <= len(row.tokens)
             scores = () if read.prompt else None  # an echo read's prompt scores (none: the fake scores nothing)
-            out.append(RowResult(read.row, tuple(row.tokens[read.start :]), row.done, prompt_logprobs=scores))
+            counts = dict(cycles=row.cycles, accepted=tuple(row.accepted))
+            out.append(RowResult(read.row, tuple(row.tokens[read.start :]), row.done, None, scores, **counts))
         counters = Counters(self.cycle, (0,), (0,), (0, 0)) if plan.busy else None
         return StepResult(plan.step, tuple(out), counters)
 
@@ -112,9 +118,21 @@ class FakeExecutor:
                 # a generating row writes up to lookahead positions past its length: inside its own blocks
                 held = min(self.owned[i] * self.shape.block, self.shape.max_context)
                 assert row.done or len(row.tokens) + ahead <= held, (i, len(row.tokens), self.owned[i], seg)
-                for _ in range(1 + (row.admission.spec.seed + self.cycle) % (seg.draft.num_steps + 1)):
+                if row.done:
+                    continue
+                taken = (row.admission.spec.seed + self.cycle) % (seg.draft.num_steps + 1)  # drafts accepted
+                self._count(row, seg.draft.label, taken)
+                for _ in range(1 + taken):
                     if not row.done:
                         row.emit()
+
+    def _count(self, row: FakeRow, label: str, taken: int) -> None:
+        row.cycles += 1
+        row.accepted[:taken] = [a + 1 for a in row.accepted[:taken]]
+        entry = self.ledger.setdefault(row.admission.spec.seed, {})
+        counts = entry.setdefault(label, [0] * (1 + self.depth))  # cycles, then accepted per position
+        counts[0] += 1
+        counts[1 : 1 + taken] = [a + 1 for a in counts[1 : 1 + taken]]
 
 
 CHAIN = DraftShape(3)

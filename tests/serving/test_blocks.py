@@ -11,10 +11,11 @@ import dataclasses
 
 import pytest
 
+from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.blocks import BlockPool, BlockTables, chain_keys
 from jaxspec.serving.request import Request
-from tests.serving.support import EOS, FakeExecutor, FakeRow, Shape, make, token
+from tests.serving.support import EOS, FakeExecutor, FakeRow, Scripted, Shape, make, token
 
 
 def test_allocator_counts_references_and_evicts_the_least_recently_used_cached_block():
@@ -269,3 +270,26 @@ def test_without_the_prefix_cache_nothing_is_looked_up_or_cached():
     a, b = Request(SYSTEM + [1], 4, RowSpec(seed=1)), Request(SYSTEM + [2], 4, RowSpec(seed=2))
     scheduler, _ = serve(Shape(prefix_cache=False), [[a], [b]])
     assert b.cached_tokens == 0 and scheduler.tables.pool.cached == 0 and scheduler.tables.queries == 0
+
+
+def test_each_request_counts_the_cycles_it_ran_through_preemption_and_shape_changes():
+    """Eight requests that preempt one another (resumed by recompute), segments cycling through chain k=3, plain and
+    chain k=1: each request's speculation is what the fake device's cycles did for it (its ledger, whichever rows ran
+    them), and accounts for its tokens: the first, then per cycle its accepted drafts and one more (the last cycle
+    may have accepted past the budget)."""
+    shape = Shape(pool_blocks=24)
+    requests = [Request([10 + i] * (20 + 5 * i), 40 + 5 * (i % 3), RowSpec(seed=i)) for i in range(8)]
+    scheduler, executor = make(shape), PoolExecutor(shape)
+    scheduler.policy = Scripted([DraftShape(3), DraftShape(0), DraftShape(1)])
+    serve(shape, [requests], (scheduler, executor))
+    assert scheduler.preemptions > 0
+    names = {"k=3": "chain k=3", "k=0": "plain", "k=1": "chain k=1"}
+    for r in requests:
+        ledger, spec = executor.ledger.get(r.spec.seed, {}), r.speculation  # none: its first token ended it
+        assert dict(spec.shapes) == {names[label]: counts[0] for label, counts in ledger.items()}, r.spec.seed
+        assert list(spec.accepted) == [sum(c[1 + j] for c in ledger.values()) for j in range(3)]
+        assert spec.steps == sum(c[0] for label, c in ledger.items() if label != "k=0")
+        assert spec.drafted == sum(c[0] * int(label[2:]) for label, c in ledger.items())
+        cycles = sum(c[0] for c in ledger.values())
+        assert 0 <= 1 + cycles + sum(spec.accepted) - len(r.tokens) <= 3, (r.spec.seed, spec)
+    assert {name for r in requests for name, _ in r.speculation.shapes} == set(names.values())

@@ -219,7 +219,7 @@ def test_blocks_cover_what_every_row_can_reach(draft):
     cycles' tokens and lookahead (capped by its budget). The fake executor checks every cycle's writes stay inside
     the row's own blocks."""
     shape = Shape(max_batch=2)
-    scheduler, executor = make(shape, draft), FakeExecutor(shape)
+    scheduler, executor = make(shape, draft), FakeExecutor(shape, draft.num_steps)
     a, b = Request([1] * 5, 40, RowSpec(seed=5)), Request([1] * 30, 4, RowSpec(seed=2))
     scheduler.submit(a)
     step(scheduler, executor)

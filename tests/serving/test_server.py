@@ -5,14 +5,20 @@ disconnects, overload and SIGTERM."""
 import concurrent.futures
 import importlib.metadata
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from jaxspec import generate
+from tests.serving.conftest import REF_TOKENS
 from tests.serving.support import NUM_STEPS, expected_text, running_server
 
 MODEL = "kimi-py-tiny"
@@ -292,6 +298,102 @@ def test_n_samples_reproducible_per_seed_and_independent(client, pair, prompts, 
     assert first.usage.completion_tokens == 24 and first.usage.prompt_tokens == len(prompts[0])
     greedy = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, n=3)
     assert [c.text for c in greedy.choices] == [text_of(pair, reference(prompts[0], 6))] * 3
+
+
+def speculation(obj: dict) -> dict:
+    """The `metrics.speculative_decoding` object of a response body, chunk or choice."""
+    return obj["metrics"]["speculative_decoding"]
+
+
+def check_speculation(spec: dict, completion_tokens: int, choices: int = 1) -> None:
+    """The object as vLLM documents it (its names; the histogram dense over 0..num_spec_tokens; the mean and the rate
+    from the counts), the identities aiperf checks, and the tokens the counts account for: the prefill's first token,
+    then per cycle its accepted drafts and one more, of which the last cycle may have accepted past the budget or a
+    stop id (at most num_spec_tokens)."""
+    hist, steps, accepted = spec["acceptance_histogram"], spec["num_spec_steps"], spec["num_accepted_draft_tokens"]
+    assert spec["num_spec_tokens"] == NUM_STEPS and len(hist) == NUM_STEPS + 1 and sum(hist) == steps
+    assert sum(j * c for j, c in enumerate(hist)) == accepted == sum(spec["num_accepted_tokens_per_pos"])
+    assert spec["num_draft_tokens"] == NUM_STEPS * steps and accepted <= spec["num_draft_tokens"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)
+    assert spec["draft_acceptance_rate"] == pytest.approx(accepted / spec["num_draft_tokens"])
+    assert spec["draft_shapes"] == {f"chain k={NUM_STEPS}": steps}  # a fixed chain: every cycle drafts
+    over = choices + steps + accepted - completion_tokens
+    assert 0 <= over <= NUM_STEPS * choices, (spec, completion_tokens)
+
+
+def stream_bodies(base: str, path: str, body: dict) -> list[dict]:
+    """A stream's chunks, as JSON."""
+    with httpx.stream("POST", f"{base}{path}", json=body | {"stream": True}, timeout=300) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def aiperf_record(bodies: list[dict]) -> dict | None:
+    """aiperf's per-request acceptance record of these response bodies (tests/serving/aiperf_record.py), in this
+    interpreter when aiperf is installed here, else in $AIPERF_PYTHON's (aiperf's own venv); skips without either."""
+    script = Path(__file__).with_name("aiperf_record.py")
+    python = sys.executable
+    try:
+        import aiperf  # noqa: F401
+    except ImportError:
+        python = os.environ.get("AIPERF_PYTHON") or pytest.skip("aiperf: not installed here, and no AIPERF_PYTHON")
+    done = subprocess.run([python, str(script)], input=json.dumps(bodies), capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def acceptance(pair, prompts):
+    """(prompt, the chat messages, and per one of them its single-request `generate` stats), greedy, REF_TOKENS."""
+    target, drafter, tokenizer = pair
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    rendered = tokenizer.encode("user: def fib(n):\nassistant: ")  # the plain chat format
+    run = lambda ids: (
+        generate(  # noqa: E731
+            target, drafter, [ids], max_new_tokens=REF_TOKENS, num_steps=NUM_STEPS, tokenizer=tokenizer
+        ).stats
+    )
+    return prompts[1], messages, run(prompts[1]), run(rendered)
+
+
+def test_every_choice_carries_its_speculation_exactly(server, acceptance):
+    """Greedy requests on both endpoints, n = 3, streamed and not: each choice's counts are those of the same prompt
+    alone through `jaxspec.generate` (cycles, accepted per position, histogram: exact); the root's are the sum; a
+    stream carries each choice's on its final chunk and the root's once, on its last chunk; aiperf reads the same."""
+    prompt, messages, *stats = acceptance
+    base = server[1]
+    requests = [("/v1/completions", dict(prompt=prompt)), ("/v1/chat/completions", dict(messages=messages))]
+    for (path, body), ref in zip(requests, stats, strict=True):
+        body = body | dict(model=MODEL, max_tokens=REF_TOKENS, temperature=0, n=3)
+        want = {
+            "num_spec_steps": ref["cycles"],
+            "num_accepted_tokens_per_pos": ref["accepted"],
+            "acceptance_histogram": ref["accepted_length_histogram"],
+        }
+        out = httpx.post(f"{base}{path}", json=body, timeout=300).json()
+        assert len(out["choices"]) == 3
+        for c in out["choices"]:
+            spec = speculation(c)
+            assert {k: spec[k] for k in want} == want, (path, spec, ref)
+            check_speculation(spec, out["usage"]["completion_tokens"] // 3)
+        root = speculation(out)
+        assert root["num_spec_steps"] == 3 * ref["cycles"]
+        check_speculation(root, out["usage"]["completion_tokens"], choices=3)
+
+        for usage in (False, True):
+            chunks = stream_bodies(base, path, body | {"stream_options": {"include_usage": usage}})
+            finals = {c["index"]: c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]}
+            assert sorted(finals) == [0, 1, 2]
+            assert all(speculation(finals[i]) == speculation(c) for i, c in enumerate(out["choices"]))
+            roots = [chunk for chunk in chunks if "metrics" in chunk]
+            assert len(roots) == 1 and roots[0] is chunks[-1] and speculation(roots[0]) == root, roots
+        one = httpx.post(f"{base}{path}", json=body | {"n": 1}, timeout=300).json()
+        assert speculation(one) == speculation(one["choices"][0]) == speculation(out["choices"][0])
+        record = aiperf_record([one])
+        assert record["num_spec_steps"] == ref["cycles"] and record["num_spec_tokens"] == NUM_STEPS
+        assert record["num_accepted_draft_tokens"] == sum(ref["accepted"]), record
+        chunks = stream_bodies(base, path, body | {"n": 1, "stream_options": {"include_usage": True}})
+        assert aiperf_record(chunks) == record
 
 
 def test_chat_content_parts_and_max_completion_tokens(client, pair, reference):
