@@ -128,6 +128,7 @@ def _check_seed_and_stop(seed: Any, stop: Any, vocab_size: int) -> list[int]:
     return [int(s) for s in stop]
 
 
+# long: the public entry point; its signature and docstring are most of it
 def generate(
     target,
     drafter,
@@ -148,6 +149,7 @@ def generate(
     stream_cycles: int = 8,
     on_progress: Callable[[Progress], None] | None = None,
     loops: LoopCache | None = None,
+    dcp: int | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` per prompt with EAGLE-3 speculative decoding. Greedy at temperature 0 (output
     identical to plain greedy); otherwise lossless speculative sampling with temperature / top-k / top-p applied
@@ -157,13 +159,13 @@ def generate(
     tokens, `DraftShape(0)` plain decoding (drafter may then be None), `DraftShape(4, topk=2, num_draft_tokens=8)` a
     tree of 4 levels of the 2 best children per frontier node whose 8 best nodes (the root included) are verified in
     one forward (decoding/tree.py). Without `draft`, `num_steps`, `topk` and `num_draft_tokens` give the shape.
-
     `stop`: extra stop token ids (the target config's eos and the tokenizer's stop ids always apply). `on_cycles`
     receives the tokens generated so far after every `stream_cycles` cycles (for streaming output); `on_progress`
     receives a `Progress` (tokens, cycles, acceptance counters, finished prompts) at the same points. The time spent
     inside the callbacks is counted in `stats["seconds"]`. `loops`: where the compiled loop is kept (see `LoopCache`;
-    default: the target's own cache).
+    default: the target's own cache). `dcp`: the target's cache striped over that many devices (`Target.with_dcp`).
     """
+    target = target if dcp is None else target.with_dcp(dcp)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     shape = draft_shape(draft, num_steps, topk, num_draft_tokens, drafter)
     _check_counts(max_new_tokens, stream_cycles)
