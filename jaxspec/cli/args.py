@@ -87,6 +87,18 @@ def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dcp_arg(p: argparse.ArgumentParser) -> None:
+    """--dcp: decode context parallelism, the target's latent cache striped by position over the model axis."""
+    p.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="decode context parallelism: stripe the target's KV cache by position over groups of N devices of the "
+        "model axis, each holding 1/N of every row's positions (N divides the model axis; default: %(default)s, "
+        "every device holds every position)",
+    )
+
+
 def add_num_steps_args(p: argparse.ArgumentParser, *, default: str, auto_help: str) -> None:
     """--num-steps (an integer or 'auto') and --tune DIR (where 'auto' reads the recommended configuration)."""
     p.add_argument(
@@ -290,10 +302,16 @@ def default_dtype(requested: str | None, model: str | Path | None, platform: str
 
 
 def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = None) -> tuple[Any, str]:
+    """`_build_target`'s target, its cache striped as --dcp asks (where the command has the flag)."""
+    target, source = _build_target(args, abstract=abstract, devices=devices)
+    return striped(args, target), source
+
+
+def _build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = None) -> tuple[Any, str]:
     """(Target, where it came from) for the target flags: --model's checkpoint, or --preset (default tiny) with random
     weights; `abstract`: shapes only (nothing allocated). `devices`: what the mesh (and --devices) draws from
     (default: all of JAX's), e.g. a TPU slice's compile-only devices. --kv-cache-dtype, where the command has it,
-    sets the cache format."""
+    sets the cache format, and --dcp the cache's striping."""
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target, load_target
@@ -320,3 +338,12 @@ def build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = Non
     if abstract:
         return Target.abstract(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), f"preset {name!r}"
     return Target.random(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), f"preset {name!r} (random weights)"
+
+
+def striped(args: argparse.Namespace, target: Any) -> Any:
+    """`target` with the cache striping --dcp asks for (where the command has the flag); a usage error naming --dcp
+    when it does not divide the mesh's model axis."""
+    try:
+        return target.with_dcp(getattr(args, "dcp", 1))
+    except ValueError as e:
+        raise UsageError(args.command, f"--dcp: {e}") from None

@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 
 from jaxspec.cli.args import (
     UsageError,
+    add_dcp_arg,
     add_drafter_arg,
     add_kv_cache_dtype_arg,
     add_num_steps_args,
@@ -35,6 +36,7 @@ DESCRIPTION = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_args(p)
     add_kv_cache_dtype_arg(p)
+    add_dcp_arg(p)
     add_drafter_arg(
         p,
         "EAGLE-3 drafter directory (SGLang or speculators format); with --preset and no --drafter a random "

@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxspec.cli.args import (
     UsageError,
+    add_dcp_arg,
     add_kv_cache_dtype_arg,
     add_target_args,
     build_target,
@@ -34,6 +35,7 @@ _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_args(p)
     add_kv_cache_dtype_arg(p)
+    add_dcp_arg(p)
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default: %(default)s)")
     p.add_argument(
         "--tokens", type=int, default=1, help="query tokens per step: 1 = decode, k+1 = verify (default: %(default)s)"
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "cache_len": args.cache_len,
         "kv_cache_dtype": target.kv_cache_dtype,
+        "dcp": target.dcp,
         "compile_seconds": seconds,
         "per_device_param_bytes": inspect.per_device_param_bytes(target.params),
         "collective_preset": args.preset_record,
@@ -155,12 +158,12 @@ def slice_report(
 ) -> dict[str, Any]:
     """What the slice's compiler says: HBM, fits and margin, kernels, and the cache positions that fit."""
     from sharding import inspect
-    from sharding.topology import device_hbm_bytes, kv_capacity_tokens, libtpu_name
+    from sharding.topology import device_hbm_bytes, libtpu_name
 
     hbm = oom[1] if oom is not None else device_hbm_bytes(devices)
     required = oom[0] if oom is not None else compiled_total(compiled)
-    local_rows = args.batch // target.mesh.shape["data"]
-    positions = local_rows * args.cache_len
+    data = target.mesh.shape["data"]
+    positions = args.batch // data * args.cache_len // target.dcp  # the positions one device holds
     logical = target.cache_bytes_per_device(args.batch, args.cache_len)
     # The cache is the step's only donated argument: the compiler's aliased bytes are the cache as laid out in HBM
     # (tiling may pad a small minor dimension); without a compiled step, its logical bytes.
@@ -180,11 +183,32 @@ def slice_report(
         "cache_bytes_source": "compiler (aliased bytes)" if laid_out else "logical shape",
         "cache_logical_bytes_per_device": logical,
         "cache_token_bytes_per_device": cache_bytes / positions,
-        "kv_capacity_tokens": kv_capacity_tokens(hbm, required, cache_bytes, positions),
     }
+    out |= capacity(target, hbm, required, cache_bytes, positions)
     if compiled is not None:
         out["kernels"] = dict(sorted(Counter(_CUSTOM_CALL.findall(compiled.as_text())).items()))
     return out
+
+
+def capacity(target: Any, hbm: int, required: int, cache_bytes: int, positions: int) -> dict[str, Any]:
+    """Cache positions that fit, per device and for the slice, and the smallest --dcp at which this step's cache
+    fits. A device holds its data shard's rows and 1/dcp of their positions; the devices of a DCP group hold
+    different positions, the groups of the model axis the same ones, so the slice holds per device x data x dcp.
+    The smallest --dcp is estimated from this compile, among this --dcp and larger ones: everything but the cache
+    stays, the cache shrinks as 1/dcp (a smaller --dcp also grows the attention's temporaries, so it is not
+    estimated from here: compile with it)."""
+    from sharding.topology import kv_capacity_tokens
+
+    per_device = kv_capacity_tokens(hbm, required, cache_bytes, positions)
+    model, rest = target.mesh.shape[target.rules.model_axis], required - cache_bytes
+    whole = cache_bytes * target.dcp  # this step's cache at dcp 1
+    fitting = [n for n in range(target.dcp, model + 1) if model % n == 0 and rest + whole / n <= hbm]
+    return {
+        "kv_capacity_tokens": per_device * target.mesh.shape["data"] * target.dcp,
+        "kv_capacity_tokens_per_device": per_device,
+        "kv_capacity_scope": "kv_capacity_tokens: positions the whole slice holds; _per_device: one device's",
+        "smallest_fitting_dcp": fitting[0] if fitting else None,
+    }
 
 
 def compiled_total(compiled: Any) -> int:
@@ -207,7 +231,10 @@ def format_slice_report(report: dict[str, Any]) -> str:
         f"margin {gib(report['margin_bytes'])}",
         f"kv cache: {report['cache_token_bytes_per_device']:.1f} B per position per device (all layers; "
         f"{report['cache_bytes_source']}); "
-        f"kv_capacity_tokens {report['kv_capacity_tokens']} per device beside weights and temporaries",
+        f"kv_capacity_tokens {report['kv_capacity_tokens']} for the slice at --dcp {report['dcp']} "
+        f"({report['kv_capacity_tokens_per_device']} per device) beside weights and temporaries",
+        f"smallest --dcp >= {report['dcp']} at which this batch x cache length fits (estimated from this compile): "
+        f"{report['smallest_fitting_dcp'] or 'none'}",
     ]
     if "kernels" in report:
         kernels = ", ".join(f"{name} x{n}" for name, n in report["kernels"].items()) or "(none)"

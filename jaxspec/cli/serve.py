@@ -10,6 +10,7 @@ from pathlib import Path
 
 from jaxspec.cli.args import (
     DTYPE_DEFAULT_HELP,
+    add_dcp_arg,
     add_drafter_arg,
     add_dtype_arg,
     add_kv_cache_dtype_arg,
@@ -20,6 +21,7 @@ from jaxspec.cli.args import (
     default_dtype,
     draft_shape,
     recommended_shape,
+    striped,
     use_bundled_pair,
 )
 from jaxspec.decoding.draft_shape import DraftShape
@@ -69,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_mesh_arg(p, "mesh shape 1xMODEL (default: one device)")
     add_dtype_arg(p, help=DTYPE_DEFAULT_HELP)
     add_kv_cache_dtype_arg(p)
+    add_dcp_arg(p)
     add_access_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -249,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("jaxspec serve: --num-steps > 0 needs --drafter (or --num-steps 0)")
     config = _engine_config(args, num_steps, adaptive)
     mesh, dtype = _mesh_and_dtype(args, config)
-    target = load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype)
+    target = striped(args, load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype))
     drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     channel = None

@@ -130,6 +130,7 @@ def _check_seed_and_stop(seed: Any, stop: Any, vocab_size: int) -> list[int]:
     return [int(s) for s in stop]
 
 
+# long: the public entry point; its signature and docstring are most of it
 def generate(
     target,
     drafter,
@@ -151,6 +152,7 @@ def generate(
     stream_cycles: int = 8,
     on_progress: Callable[[Progress], None] | None = None,
     loops: LoopCache | None = None,
+    dcp: int | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` per prompt with EAGLE-3 speculative decoding. Greedy at temperature 0 (output
     identical to plain greedy); otherwise lossless speculative sampling with temperature / top-k / top-p applied
@@ -168,9 +170,10 @@ def generate(
     receives the tokens generated so far after every `stream_cycles` cycles (for streaming output); `on_progress`
     receives a `Progress` (tokens, cycles, acceptance counters, finished prompts) at the same points. The time spent
     inside the callbacks is counted in `stats["seconds"]`. `loops`: where the compiled loop is kept (see `LoopCache`;
-    default: the target's own cache).
+    default: the target's own cache). `dcp`: the target's cache striped over that many devices (`Target.with_dcp`).
     """
     coupled = check_mode("sampling", sampling) == "coupled" and temperature != 0  # greedy is greedy either way
+    target = target if dcp is None else target.with_dcp(dcp)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     shape = draft_shape(draft, num_steps, topk, num_draft_tokens, drafter)
     _check_counts(max_new_tokens, stream_cycles)

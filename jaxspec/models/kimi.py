@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxspec.config import KimiConfig
 from jaxspec.models import quant, rope
+from jaxspec.models.dcp import Stripes
 from jaxspec.models.layers import fp8_linear_blocks, ones, param, rms_norm
 from jaxspec.models.mla import KV_BLOCK, MLA, AttnImpl
 from jaxspec.models.moe import MLP, LayerSlice, MoE, is_routed_weight
@@ -45,19 +46,37 @@ class DecoderLayer(nnx.Module):
         self.eps, self.axis = cfg.rms_norm_eps, axis
 
     def __call__(
-        self, x_BTD, cos_sin, pos_BT, cache_LBSY, layer, impl: AttnImpl, kv_block: int = KV_BLOCK, tree_mask_BTS=None
+        self,
+        x_BTD,
+        cos_sin,
+        pos_BT,
+        cache_LBSY,
+        layer,
+        impl: AttnImpl,
+        kv_block: int = KV_BLOCK,
+        tree_mask_BTS=None,
+        stripes: Stripes | None = None,
     ):
-        """`tree_mask_BTS`: verify a draft tree (see `KimiModel.__call__`) instead of T consecutive tokens."""
+        """`tree_mask_BTS`: verify a draft tree (see `KimiModel.__call__`) instead of T consecutive tokens;
+        `stripes`: the cache is striped by position over DCP groups (models/dcp.py)."""
         B, T, D = x_BTD.shape
         with jax.named_scope("attention"):
             x_norm_BTD = rms_norm(x_BTD, self.input_norm[...], self.eps)
             if tree_mask_BTS is None:
                 attn_BTD, cache_LBSY = self.attn(
-                    x_norm_BTD, cos_sin, pos_BT, cache_LBSY, layer, impl, kv_block=kv_block
+                    x_norm_BTD, cos_sin, pos_BT, cache_LBSY, layer, impl, kv_block=kv_block, stripes=stripes
                 )
             else:  # the root (node 0) sits at the prefix length: its position
                 attn_BTD, cache_LBSY = tree_verify_mla(
-                    self.attn, x_norm_BTD, cos_sin, pos_BT[:, 0], tree_mask_BTS, cache_LBSY, layer, kv_block=kv_block
+                    self.attn,
+                    x_norm_BTD,
+                    cos_sin,
+                    pos_BT[:, 0],
+                    tree_mask_BTS,
+                    cache_LBSY,
+                    layer,
+                    kv_block=kv_block,
+                    stripes=stripes,
                 )
             h_BTD = x_BTD + jax.lax.psum(attn_BTD, self.axis).astype(x_BTD.dtype)
         with jax.named_scope("mlp"):
@@ -117,14 +136,14 @@ class KimiModel(nnx.Module):
         impl: AttnImpl = "expanded",
         kv_block: int = KV_BLOCK,
         tree_mask_BTS: jax.Array | None = None,
+        stripes: Stripes | None = None,
     ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         """Per-device forward. Returns (local logits [B,T,V/model], updated cache, captured [X,B,T,D]).
-        `kv_block`: cache positions per block of the live-prefix attention loop (see mla.py).
-
-        `tree_mask_BTS` (with a cache): the T tokens are the nodes of a draft tree (jaxspec/decoding/tree.py), node 0
-        the root at each row's prefix length `pos_BT[:, 0]`; node t is written at cache slot prefix + t, sits at RoPE
-        position `pos_BT` (prefix + depth) and sees the cached prefix and the nodes the mask marks (its ancestors and
-        itself), through models/tree_attention.py."""
+        `kv_block`: cache positions per block of the live-prefix attention loop (see mla.py). `tree_mask_BTS` (with
+        a cache): the T tokens are the nodes of a draft tree (jaxspec/decoding/tree.py), node 0 the root at each row's
+        prefix length `pos_BT[:, 0]`; node t is written at cache slot prefix + t, sits at RoPE position `pos_BT`
+        (prefix + depth) and sees the cached prefix and the nodes the mask marks (its ancestors and itself), through
+        models/tree_attention.py. `stripes`: the cache striped over DCP groups (models/dcp.py)."""
         B, T = tokens_BT.shape
         if tree_mask_BTS is not None and (cache_LBSY is None or tree_mask_BTS.shape != (B, T, T)):
             raise ValueError(
@@ -156,7 +175,7 @@ class KimiModel(nnx.Module):
                 layer = nnx.merge(graphdef, jax.tree.map(view, experts, is_leaf=_is_var), layer_params)
                 # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,Y] here
                 # would copy the full buffer every layer, however short the live prefix.
-                x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block, tree_mask_BTS)
+                x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block, tree_mask_BTS, stripes)
                 captured = jnp.where((capture_X == layer_id)[:, None, None, None], x[None], captured)
                 return (x, cache, captured), None
 

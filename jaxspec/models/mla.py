@@ -37,6 +37,7 @@ from jaxspec.models.cache import (
     read_size,
     write_cache,
 )
+from jaxspec.models.dcp import Stripes
 from jaxspec.models.kernels import paged_mla
 from jaxspec.models.layers import NEG_INF, linear, ones, param, rms_norm
 from jaxspec.models.quant import einsum as ein
@@ -123,15 +124,19 @@ class MLA(nnx.Module):
         impl: AttnImpl,
         *,
         kv_block: int = KV_BLOCK,
+        stripes: Stripes | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """Returns (partial attention output [B,T,D] in fp32, updated cache or None).
 
         `cache_LBSY` is the whole stacked cache (all layers; dense or `Paged`) and `layer` the index of this layer in
         it: the step writes its T entries there and reads back only each row's live blocks, so no per-layer copy of
-        the buffer is made.
+        the buffer is made. `stripes`: the cache is striped by position over a DCP group (models/dcp.py); attention
+        over it is then always absorbed.
         """
         C, dt = self.kv_a_norm.shape[0], x_BTD.dtype
         q_nope_BTNH, q_rope_BTNR, new_BTY = self.project(x_BTD, cos_sin)
+        if stripes is not None and cache_LBSY is not None:
+            impl = "absorbed"
 
         with jax.named_scope(f"attend_{impl}"):
             if impl == "absorbed":
@@ -146,8 +151,13 @@ class MLA(nnx.Module):
                 mask_BTS = q_pos_BT[:, None, :] <= q_pos_BT[:, :, None]
                 out_BTNA = softmax_finish(online_softmax(init, *block_fn(new_BTY), mask_BTS, self.softmax_scale), dt)
             else:
-                cache_LBSY = write_cache(cache_LBSY, layer, new_BTY, q_pos_BT)
-                out_BTNA = self._attend_cache(impl, block_fn, init, cache_LBSY, layer, q_pos_BT, kv_block, dt)
+                slots_BT = q_pos_BT if stripes is None else stripes.slots(q_pos_BT)
+                cache_LBSY = write_cache(cache_LBSY, layer, new_BTY, slots_BT)
+                if stripes is None:
+                    out_BTNA = self._attend_cache(impl, block_fn, init, cache_LBSY, layer, q_pos_BT, kv_block, dt)
+                else:
+                    state = self.attend_striped(*block_fn.queries, cache_LBSY, layer, q_pos_BT, kv_block, stripes)
+                    out_BTNA = softmax_finish(state, dt)
             if impl == "absorbed":
                 out_BTNA = ein("BTNC,CNA->BTNA", out_BTNA, self.kv_b_v[...])
         out_BTD = ein("BTNA,NAD->BTD", out_BTNA, self.o[...], dtype=jnp.float32)
@@ -169,6 +179,18 @@ class MLA(nnx.Module):
         if impl == "absorbed" and isinstance(cache, Paged):
             return paged_mla.attend_in_place(*block_fn.queries, cache, layer, q_pos_BT, scale=scale, xla=xla)
         return softmax_finish(attend_live_prefix(cache, layer, q_pos_BT, block_fn, init, scale, kv_block, dt), dt)
+
+    def attend_striped(
+        self, q_abs_BTNC, q_rope_BTNR, cache: Cache, layer, q_pos_BT, kv_block: int, stripes: Stripes
+    ) -> Softmax:
+        """Softmax state of this device's heads over a position-striped cache (models/dcp.py): the group's queries
+        gathered, each device's stripe attended for all of them, the partial states merged by log-sum-exp."""
+        C, dt = q_abs_BTNC.shape[-1], q_abs_BTNC.dtype
+        q_BTGY = stripes.gather(jnp.concatenate([q_abs_BTNC, q_rope_BTNR.astype(dt)], axis=-1), axis=2)
+        block = self.absorbed_block(q_BTGY[..., :C], q_BTGY[..., C:], C)
+        init = softmax_init(q_BTGY, C)
+        visible_BT, scale = stripes.visible(q_pos_BT), self.softmax_scale
+        return stripes.merge(attend_live_prefix(cache, layer, visible_BT, block, init, scale, kv_block, dt))
 
     def absorbed_block(self, q_abs_BTNC: jax.Array, q_rope_BTNR: jax.Array, C: int) -> BlockFn:
         """Scores and mixing over the 576-wide latent directly (W_uk folded into the query, W_uv applied after)."""

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.cache import Cache, Paged, through_cache, write_cache
+from jaxspec.models.dcp import Stripes
 from jaxspec.models.mla import (
     KV_BLOCK,
     MLA,
@@ -90,20 +91,31 @@ def tree_verify_mla(
     layer: jax.Array | int,
     *,
     kv_block: int = KV_BLOCK,
+    stripes: Stripes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One MLA layer's verify step over a tree (absorbed form): (partial output [B,T,D] fp32, updated cache).
 
     `cos_sin` is RoPE at the tree positions (prefix + depth); the T fresh entries are written at slots prefix + t.
-    Mirrors `MLA.__call__`'s absorbed path with the causal mask replaced by the tree's.
+    Mirrors `MLA.__call__`'s absorbed path with the causal mask replaced by the tree's. `stripes`: the cache is
+    striped by position over a DCP group (models/dcp.py).
     """
     q_nope_BTNH, q_rope_BTNR, fresh_BTY = mla.project(x_BTD, cos_sin)
     with jax.named_scope("attend_tree"):
         slots_BT = prefix_len_B[:, None] + jnp.arange(x_BTD.shape[1], dtype=jnp.int32)
-        cache_LBSY = write_cache(cache_LBSY, layer, fresh_BTY, slots_BT)
+        cache_LBSY = write_cache(cache_LBSY, layer, fresh_BTY, slots_BT if stripes is None else stripes.slots(slots_BT))
         # The fresh keys go through the cache dtype, as a chain verify reads them back from the cache.
         fresh_BTY = through_cache(fresh_BTY, cache_LBSY)
         out_BTD = mla_tree_attention(
-            mla, q_nope_BTNH, q_rope_BTNR, fresh_BTY, cache_LBSY, layer, prefix_len_B, mask_BTS, kv_block=kv_block
+            mla,
+            q_nope_BTNH,
+            q_rope_BTNR,
+            fresh_BTY,
+            cache_LBSY,
+            layer,
+            prefix_len_B,
+            mask_BTS,
+            kv_block=kv_block,
+            stripes=stripes,
         )
     return out_BTD, cache_LBSY
 
@@ -119,25 +131,25 @@ def mla_tree_attention(
     mask_BTS: jax.Array,
     *,
     kv_block: int = KV_BLOCK,
+    stripes: Stripes | None = None,
 ) -> jax.Array:
     """Absorbed MLA attention of T queries (`MLA.project`'s, rotated) over the cached prefix and the fresh entries
     `mask_BTS` marks: the partial output [B,T,D] fp32 (a verify step's tree nodes, or an MLA drafter's tree step over
-    its scratch entries)."""
+    its scratch entries). With `stripes` the prefix pass is the DCP group's (`MLA.attend_striped`) and the fresh pass,
+    which every device holds whole, runs for this device's heads only."""
     C = mla.kv_a_norm.shape[0]
     dtype = q_nope_BTNH.dtype
     q_abs_BTNC = ein("BTNH,CNH->BTNC", q_nope_BTNH, mla.kv_b_k[...])
-    state = tree_attention(
-        mla.absorbed_block(q_abs_BTNC, q_rope_BTNR, C),
-        softmax_init(q_nope_BTNH, C),
-        fresh_BSY,
-        cache_LBSY,
-        layer,
-        prefix_len_B,
-        mask_BTS,
-        mla.softmax_scale,
-        kv_block,
-        dtype,
-    )
+    block, init = mla.absorbed_block(q_abs_BTNC, q_rope_BTNR, C), softmax_init(q_nope_BTNH, C)
+    scale = mla.softmax_scale
+    if stripes is None:
+        args = (fresh_BSY, cache_LBSY, layer, prefix_len_B, mask_BTS, scale, kv_block, dtype)
+        state = tree_attention(block, init, *args)
+    else:
+        B, T = mask_BTS.shape[:2]
+        last_prefix_BT = jnp.broadcast_to((prefix_len_B - 1)[:, None], (B, T)).astype(jnp.int32)
+        prefix = mla.attend_striped(q_abs_BTNC, q_rope_BTNR, cache_LBSY, layer, last_prefix_BT, kv_block, stripes)
+        state = merge_softmax(prefix, online_softmax(init, *block(fresh_BSY.astype(dtype)), mask_BTS, scale))
     out_BTNA = ein("BTNC,CNA->BTNA", softmax_finish(state, dtype), mla.kv_b_v[...])
     return ein("BTNA,NAD->BTD", out_BTNA, mla.o[...], dtype=jnp.float32)
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
 from jaxspec.models.cache import PACKED, SCALE_BYTES, Paged, paged_specs
+from jaxspec.models.dcp import Stripes, compact_striped
 from jaxspec.models.kimi import KimiModel
 from jaxspec.models.mla import KV_BLOCK, AttnImpl
 from jaxspec.models.moe import ExpertImpl, MoE
@@ -54,10 +55,14 @@ class Target:
     rules: ShardingRules = DEFAULT_RULES
     # "auto": the latent cache in the compute dtype; "fp8": float8_e4m3fn with a per-token scale (models/mla.py)
     kv_cache_dtype: str = "auto"
+    # Decode context parallelism: the latent cache striped by position over groups of `dcp` devices of the model axis
+    # (models/dcp.py); 1: every device of the model axis holds every position.
+    dcp: int = 1
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        check_dcp(self.dcp, self.mesh, self.rules)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -198,13 +203,43 @@ class Target:
         """The same weights with another KV cache format ("auto" or "fp8")."""
         return dataclasses.replace(self, kv_cache_dtype=kv_cache_dtype)
 
+    def with_dcp(self, dcp: int) -> Target:
+        """The same weights with the latent cache striped over groups of `dcp` devices of the model axis (1: not
+        striped); kept on this target, so a second call returns the same object (and its compiled programs)."""
+        if dcp == self.dcp:
+            return self
+        variants = vars(self).setdefault("dcp_variants", {})
+        if dcp not in variants:
+            variants[dcp] = dataclasses.replace(self, dcp=dcp)
+        return variants[dcp]
+
+    @property
+    def stripes(self) -> Stripes | None:
+        """The DCP layout the forward runs with (None: the cache is not striped)."""
+        if self.dcp == 1:
+            return None
+        return Stripes(self.dcp, self.rules.model_axis, self.mesh.shape[self.rules.model_axis])
+
+    def cache_positions(self, cache) -> int:
+        """Positions each row of a dense cache made by `init_cache` holds (its global array holds the model axis'
+        stripes side by side: model / dcp copies of each position)."""
+        return cache.shape[2] * self.dcp // self.mesh.shape[self.rules.model_axis] if self.dcp > 1 else cache.shape[2]
+
     def cache_shape_dtype(self, batch: int, max_len: int) -> tuple[tuple[int, ...], jnp.dtype]:
         """(shape, dtype) of the latent cache: [L, B, S, C+R] in the compute dtype, or with fp8 [L, B, S, C+R+4]
         uint8 (e4m3 values, then each token's float32 scale; models/mla.py)."""
         cfg = self.config
+        slots = max_len
+        if self.dcp > 1:  # each device of the model axis holds max_len / dcp slots: its stripe
+            if max_len % self.dcp:
+                raise ValueError(
+                    f"dcp: a cache of {max_len} positions (or a pool block of that many) does not split into "
+                    f"{self.dcp} stripes; expected a multiple of {self.dcp}"
+                )
+            slots = max_len // self.dcp * self.mesh.shape[self.rules.model_axis]
         if self.kv_cache_dtype == "fp8":
-            return (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim + SCALE_BYTES), jnp.dtype(PACKED)
-        return (cfg.num_hidden_layers, batch, max_len, cfg.latent_dim), self.dtype
+            return (cfg.num_hidden_layers, batch, slots, cfg.latent_dim + SCALE_BYTES), jnp.dtype(PACKED)
+        return (cfg.num_hidden_layers, batch, slots, cfg.latent_dim), self.dtype
 
     def abstract_cache(self, batch: int, max_len: int) -> jax.ShapeDtypeStruct:
         shape, dtype = self.cache_shape_dtype(batch, max_len)
@@ -231,8 +266,9 @@ class Target:
         return per_device_param_bytes(self.abstract_cache(batch, max_len))
 
     def cache_spec(self) -> PartitionSpec:
-        """PartitionSpec of the latent cache [L, B, S, C+R]: batch over data, replicated over model."""
-        return PartitionSpec(None, self.rules.batch, None, None)
+        """PartitionSpec of the latent cache [L, B, S, C+R]: batch over data, replicated over model; with dcp > 1 the
+        positions split over model (each device holds its stripe's slots)."""
+        return PartitionSpec(None, self.rules.batch, self.rules.model_axis if self.dcp > 1 else None, None)
 
     def specs_of(self, cache) -> PartitionSpec | Paged | None:
         """The PartitionSpecs a forward places `cache` in: a dense cache's (`cache_spec`), or a `Paged` pool's (as a
@@ -276,11 +312,11 @@ class Target:
         else:
             raise ValueError(f"head must be 'logits', 'argmax' or a positive int k, got {head!r}")
 
+        opts = dict(capture=capture, impl=impl, kv_block=kv_block, stripes=self.stripes)
+
         def local(params, tokens, pos, cache, tree_mask):
             model = nnx.merge(self.graphdef, params)
-            logits, cache, captured = model(
-                tokens, pos, cache, capture=capture, impl=impl, kv_block=kv_block, tree_mask_BTS=tree_mask
-            )
+            logits, cache, captured = model(tokens, pos, cache, tree_mask_BTS=tree_mask, **opts)
             if head == "argmax":
                 logits = sharded_argmax(logits, self.rules.model_axis)
             elif head != "logits":
@@ -303,10 +339,14 @@ class Target:
     def compact_cache(self, cache_LBSY, prefix_len_B, path, num_accepted_B):
         """After a tree verify: move each row's accepted path to consecutive cache slots (`tree.compact_path`),
         per data shard (traceable)."""
-        batch, cache_spec = self.rules.batch, self.specs_of(cache_LBSY)
+        batch, cache_spec, stripes = self.rules.batch, self.specs_of(cache_LBSY), self.stripes
         reshard = functools.partial(_reshard, mesh=self.mesh)
+        if stripes is None:
+            compact = lambda c, n, p, a: compact_path(c, n, p, a, batch_axis=1)  # noqa: E731
+        else:
+            compact = lambda c, n, p, a: compact_striped(c, n, p, a, stripes)  # noqa: E731
         fn = jax.shard_map(
-            lambda c, n, p, a: compact_path(c, n, p, a, batch_axis=1),
+            compact,
             mesh=self.mesh,
             in_specs=(cache_spec, PartitionSpec(batch), PartitionSpec(batch, None), PartitionSpec(batch)),
             out_specs=cache_spec,
@@ -378,8 +418,10 @@ class Target:
         pos = jnp.asarray(positions, jnp.int32)
         if pos.shape != tokens.shape:
             raise ValueError(f"positions: expected shape {tokens.shape}, got {pos.shape}")
-        if cache.shape[2] < int(jnp.max(pos)) + 1:
-            raise ValueError(f"cache holds {cache.shape[2]} positions, step writes up to {int(jnp.max(pos))}")
+        if self.cache_positions(cache) < int(jnp.max(pos)) + 1:
+            raise ValueError(
+                f"cache holds {self.cache_positions(cache)} positions, step writes up to {int(jnp.max(pos))}"
+            )
         return _jit_forward(self, self.params, tokens, pos, cache, tuple(capture), impl)
 
     def device_tokens(self, token_ids) -> jax.Array:
@@ -443,6 +485,15 @@ def check_fp8_shards(abstract: Any, specs: Any, mesh: Mesh) -> None:
                     f"{'.'.join(map(str, path))}: axis {axis} of {list(w.shape)} splits into {parts} shards of "
                     f"{w.shape[axis] // parts}, not whole FP8 blocks of {b}"
                 )
+
+
+def check_dcp(dcp: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> None:
+    """Raise unless `dcp` (devices a cache's positions are striped over) is a whole number dividing the model axis."""
+    axis = rules.model_axis
+    if isinstance(dcp, bool) or not isinstance(dcp, int | np.integer) or dcp < 1:
+        raise ValueError(f"dcp: expected a whole number >= 1, got {dcp!r}")
+    if mesh.shape[axis] % dcp:
+        raise ValueError(f"dcp: {dcp} does not divide the mesh's {axis!r} axis of {mesh.shape[axis]} devices")
 
 
 def check_mesh(cfg: KimiConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> None:

@@ -264,7 +264,7 @@ def _gather(
     (`Paged`: read and written in place through the rows' block tables; nothing is copied out): the target's, and
     the drafter's with `drafter` (else None)."""
     window = state.window(rows, positions, start)
-    block = pool.target.shape[2]
+    block = state.tokens_BS.shape[1] // tables.shape[1]  # not the pool's: a striped pool (--dcp) holds block / dcp
     blocks = jax.lax.dynamic_slice_in_dim(tables, start, rows)[:, : window.tokens_BS.shape[1] // block]
     drafts = Paged(pool.drafter, blocks) if drafter else None
     return window.replace(target_cache=Paged(pool.target, blocks), draft_cache=drafts)
