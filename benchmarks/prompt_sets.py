@@ -92,7 +92,7 @@ def select(name: str, items: Sequence[tuple[str, str, bool]], tokenizer, count: 
             break
         prompt = fit(render, tokenizer, text, code, max_tokens)
         reason = (
-            "shorter than 4 tokens"
+            f"shorter than {MIN_TOKENS} tokens"
             if len(tokenizer.encode(text, allow_special=False)) < MIN_TOKENS
             else "a repeat"
             if tuple(prompt) in seen

@@ -175,3 +175,16 @@ def test_the_shipped_sets_load(name, package, total, code_tokenizer):
     s = ps.load(name, code_tokenizer, 16)
     assert len(s.ids) == 16 and all(4 <= len(p) <= 256 for p in s.ids)
     assert s.sources == ps.load(name, code_tokenizer, 16).sources
+
+
+def test_the_options_round_trip_through_the_recorded_command(code_tokenizer):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ps.add_arguments(p, count=8, max_tokens=128)
+    args = p.parse_args(["--prompt-set", "held-out", "--prompt-count", "3"])
+    again = p.parse_args(ps.flags(args).split())
+    assert vars(again) == vars(args) and (args.prompt_tokens, args.prompt_seed, args.allow_loops) == (128, 0, False)
+    assert ps.from_args(args, code_tokenizer).sources == ["held-out:0", "held-out:1", "held-out:2"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prompt-set", "mmlu"])
