@@ -295,6 +295,17 @@ def loops_or_exit(outputs: Sequence[Sequence[int]], args: argparse.Namespace) ->
     return figures
 
 
+def command(script: str, argv: Sequence[str], args: argparse.Namespace) -> str:
+    """`python script argv` with the prompt options as parsed (defaults included) in place of those in `argv`."""
+    valued, kept, skip = {"--prompt-set", "--prompt-count", "--prompt-tokens", "--prompt-seed"}, [], False
+    for word in argv:
+        if skip or word.split("=")[0] in valued:
+            skip = not skip and "=" not in word
+            continue
+        kept.append(word)
+    return " ".join(["python", script, *kept, flags(args)])
+
+
 def flags(args: argparse.Namespace) -> str:
     """The options as they go into a result's command."""
     return f"--prompt-set {args.prompt_set} --prompt-count {args.prompt_count} --prompt-tokens {args.prompt_tokens}" + (

@@ -223,8 +223,7 @@ def summarize(rows: list[dict], levels: list[int], args) -> dict:
         ),
     }
     return {
-        "command": " ".join(["python benchmarks/serve_load.py", *sys.argv[1:]])
-        + ("" if "--prompt-set" in sys.argv else f" {prompt_sets.flags(args)}"),
+        "command": prompt_sets.command("benchmarks/serve_load.py", sys.argv[1:], args),
         "model": "bundled pair (assets/kimi-py-tiny)",
         "num_steps": args.num_steps,
         "max_tokens": args.max_tokens,

@@ -74,10 +74,10 @@ def main() -> None:
         simulate_cpu_devices(args.cpu_devices)
     target, drafter, tokenizer = load_pair(args)
     measure = {"sweep": measure_sweep, "pair": measure_pair, "length": measure_length}[args.measure]
-    command = ["python benchmarks/spec_vs_plain.py", *sys.argv[1:]]
-    if (args.measure != "sweep" or (tokenizer and not args.prompts)) and "--prompt-set" not in command:
-        command.append(prompt_sets.flags(args))
-    record = {"command": " ".join(command)}
+    command = " ".join(["python benchmarks/spec_vs_plain.py", *sys.argv[1:]])
+    if args.measure != "sweep" or (tokenizer and not args.prompts):
+        command = prompt_sets.command("benchmarks/spec_vs_plain.py", sys.argv[1:], args)
+    record = {"command": command}
     record |= measure(args, target, drafter, tokenizer)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=2) + "\n")

@@ -188,3 +188,7 @@ def test_the_options_round_trip_through_the_recorded_command(code_tokenizer):
     assert ps.from_args(args, code_tokenizer).sources == ["held-out:0", "held-out:1", "held-out:2"]
     with pytest.raises(SystemExit):
         p.parse_args(["--prompt-set", "mmlu"])
+    argv = ["--rounds", "1", "--prompt-count", "3", "--prompt-set=held-out", "--allow-loops"]
+    assert ps.command("b.py", argv, args) == (
+        "python b.py --rounds 1 --allow-loops --prompt-set held-out --prompt-count 3 --prompt-tokens 128"
+    )
