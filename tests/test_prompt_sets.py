@@ -192,3 +192,12 @@ def test_the_options_round_trip_through_the_recorded_command(code_tokenizer):
     assert ps.command("b.py", argv, args) == (
         "python b.py --rounds 1 --allow-loops --prompt-set held-out --prompt-count 3 --prompt-tokens 128"
     )
+
+
+def test_a_budget_smaller_than_the_template_is_refused(tmp_path):
+    tokenizer = load_tokenizer(kimi_vocab(tmp_path))
+    template = len(tokenizer.encode_chat([{"role": "user", "content": ""}]))
+    with pytest.raises(ps.DegeneratePromptSet, match=rf"max_tokens 5: the template alone takes {template} tokens"):
+        ps.select(
+            "x", [("p", "Summarize the plot of Hamlet in three sentences, please.", False)], tokenizer, 1, max_tokens=5
+        )
