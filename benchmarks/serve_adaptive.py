@@ -16,6 +16,8 @@ median over rounds of auto's tokens/s over the better engine's in the same round
 tokens/s over rounds (less robust: the two medians may come from rounds under different load), whether every engine
 of a case produced the same tokens, and auto's segments per shape.
 
+Prompts: --prompt-set (prompt_sets.py; default 16 HumanEval prompts of at most 128 tokens).
+
     python benchmarks/serve_adaptive.py --rounds 11 --max-tokens 96 --requests 4  # writes results/serve_adaptive.*
 """
 
@@ -29,6 +31,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import prompt_sets  # this directory (run as a script)
 from serve_engine import Clients, lockstep  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,13 +79,15 @@ def main() -> None:
         "server does so once); their tokens/s are reported apart",
     )
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_adaptive.json")
+    prompt_sets.add_arguments(p, count=16, max_tokens=128)  # + --max-tokens: inside the 256 positions of a slot
     args = p.parse_args()
     from jaxspec import bundled
     from jaxspec.decoding import DraftShape
     from jaxspec.serving.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = bundled.load_pair()
-    prompts = [tokenizer.encode(p)[:128] for p in bundled.prompts()]
+    prompt_set = prompt_sets.from_args(args, tokenizer)
+    prompts = prompt_set.ids
     plain = Engine(target, None, EngineConfig(8, 256, DraftShape(0), batch_buckets=(1, 8)), stop_ids=tokenizer.stop_ids)
     warmup = {"plain": plain.warmup(lambda _: None)}
     cases = {}
@@ -133,8 +138,11 @@ def main() -> None:
     record = {
         "command": (
             f"python benchmarks/serve_adaptive.py --rounds {args.rounds} --max-tokens {args.max_tokens} "
-            f"--requests {args.requests} --learning-rounds {args.learning_rounds}"
+            f"--requests {args.requests} --learning-rounds {args.learning_rounds} {prompt_sets.flags(args)}"
         ),
+        **prompt_set.describe(),
+        # recorded, not refused: every engine serves the same tokens
+        "output_loops": prompt_sets.output_loops([list(map(int, t)) for t in outputs["bundled pair c=8"]]),
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

@@ -10,7 +10,8 @@ Variants: "old": the per-row program always (the engine before the static-greedy
 (The results files from before ragged attention also had "old" run every segment over all 512 positions, against
 context buckets in "new"; segments have no context size now.) With --tree STEPS:TOPK:TOKENS the
 variants are "new" and "tree": the defaults drafting that tree instead of the k = 4 chain (plain decoding has no
-tree, so the tree's k = 0 figures are "new"'s).
+tree, so the tree's k = 0 figures are "new"'s). Prompts: --prompt-set (prompt_sets.py; default 16 HumanEval prompts
+of at most 256 tokens).
 
     python benchmarks/serve_engine.py --rounds 2        # writes benchmarks/results/serve_engine.json
     python benchmarks/serve_engine.py --rounds 2 --tree 4:2:8 --output benchmarks/results/serve_engine_tree.json
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import prompt_sets  # this directory (run as a script)
 
 VARIANTS = {"old": dict(greedy_program=False), "new": {}}
 
@@ -102,6 +104,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--tree", help="also a tree variant: STEPS:TOPK:TOKENS (see `jaxspec tune --trees`)")
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/serve_engine.json"))
+    prompt_sets.add_arguments(p, count=16, max_tokens=256)  # + 64 new tokens: inside the 512 positions of a slot
     args = p.parse_args()
     if args.tree:
         from jaxspec.decoding import DraftShape
@@ -116,8 +119,8 @@ def main() -> None:
     from jaxspec.serving.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = bundled.load_pair()
-    prompts = [tokenizer.encode(p) for p in bundled.prompts()]
-    engines, warmup = {}, {}
+    prompt_set = prompt_sets.from_args(args, tokenizer)
+    prompts, engines, warmup = prompt_set.ids, {}, {}
     for k in (4, 0):
         for name, options in VARIANTS.items():
             if name == "tree" and not k:
@@ -154,7 +157,11 @@ def main() -> None:
         print(name, json.dumps(table[name]))
     record = {
         "command": f"python benchmarks/serve_engine.py --rounds {args.rounds} --max-tokens {args.max_tokens}"
-        + (f" --tree {args.tree}" if args.tree else ""),
+        + (f" --tree {args.tree}" if args.tree else "")
+        + f" {prompt_sets.flags(args)}",
+        **prompt_set.describe(),
+        # recorded, not refused: this benchmark times scheduling, the same tokens for every variant
+        "output_loops": prompt_sets.output_loops([list(map(int, t)) for t in outputs[(4, 8)]]),
         "load_average": os.getloadavg(),
         "warmup_s": warmup,
         "variants": table,

@@ -10,7 +10,8 @@ the other), the three engines served in lockstep (serve_engine.py's `lockstep`: 
 so other work on this shared machine falls on every engine alike); tokens/s is each engine's tokens over its own
 steps' seconds, from its first request. Cases: the bundled pair, and the bundled target with a scrambled drafter
 (serve_adaptive.py's `scrambled`: it accepts almost nothing; no tune.json, so no recorded acceptance). Every engine
-of a case must produce the same tokens (asserted: greedy output does not depend on the draft).
+of a case must produce the same tokens (asserted: greedy output does not depend on the draft). Prompts: --prompt-set
+(prompt_sets.py; default 16 HumanEval prompts of at most 128 tokens).
 
     python benchmarks/serve_fresh.py      # writes benchmarks/results/serve_fresh.{json,md}
 """
@@ -24,6 +25,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import prompt_sets  # this directory (run as a script)
 from serve_adaptive import scrambled  # this directory (run as a script)
 from serve_engine import Clients, load_text, lockstep
 
@@ -35,6 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_fresh.json")
+    prompt_sets.add_arguments(p, count=16, max_tokens=128)  # + --max-tokens: inside the 256 positions of a slot
     args = p.parse_args()
     from jaxspec import bundled
     from jaxspec.cli.serve import _recorded_acceptance
@@ -42,7 +45,8 @@ def main() -> None:
     from jaxspec.serving.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = bundled.load_pair()
-    prompts = [tokenizer.encode(p)[:128] for p in bundled.prompts()]
+    prompt_set = prompt_sets.from_args(args, tokenizer)
+    prompts = prompt_set.ids
     tune = ROOT / "benchmarks" / "results" / "tune_bundled" / "tune.json"
     config = EngineConfig(max_batch=8, max_context=256, draft=DraftShape(4), batch_buckets=(1, 8))
     cases = {"bundled pair": (drafter, _recorded_acceptance(tune)), "poor drafter": (scrambled(drafter), None)}
@@ -64,12 +68,15 @@ def main() -> None:
             lockstep(clients, order)
             tokens = {name: client.tokens for name, client in clients.items()}
             assert tokens["auto"] == tokens["k=4"] == tokens["plain"], f"{case} c={c}: the engines' tokens differ"
+            loops = prompt_sets.output_loops([list(map(int, t)) for t in tokens["plain"]])
             rates = {name: client.rate for name, client in clients.items()}
             better = max(rates["k=4"], rates["plain"])
             results[f"{case} c={c}"] = {"tok_s": rates, "auto_over_better": rates["auto"] / better}
             print(case, c, json.dumps(results[f"{case} c={c}"]), flush=True)
     record = {
-        "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens}",
+        "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens} {prompt_sets.flags(args)}",
+        **prompt_set.describe(),
+        "output_loops": loops,  # recorded, not refused: every engine serves the same tokens
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

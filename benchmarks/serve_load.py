@@ -5,7 +5,8 @@ Both servers run for the whole benchmark (an idle server's engine thread sleeps)
 speculative then plain back to back (order alternating over rounds), so each ratio compares runs made under the same
 machine load. Per level: per-request output tokens/s, time to first token and inter-token latency (client side), the
 aggregate output tokens/s, and from the servers' /metrics the mean accepted length and the mean batch occupancy
-(generating rows per cycle) over the level.
+(generating rows per cycle) over the level. Prompts: --prompt-set (prompt_sets.py; default 16 HumanEval prompts of at
+most 256 tokens), sent as token ids.
 
     python benchmarks/serve_load.py                       # writes benchmarks/results/serve_load.json and .md
     python benchmarks/serve_load.py --concurrency 1,8 --rounds 1 --max-tokens 32
@@ -29,6 +30,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
+import prompt_sets  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "kimi-py-tiny"
@@ -69,11 +71,16 @@ def scrape(base: str) -> dict[str, float]:
     }
 
 
-def one_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict[str, float]:
+def one_request(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> dict[str, float]:
     start = time.perf_counter()
     arrivals, tokens = [], 0
     for chunk in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},  # the server sends usage only when asked (as OpenAI's does)
     ):
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter())
@@ -90,7 +97,7 @@ def one_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict[str
     }
 
 
-def level(base: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int) -> dict:
+def level(base: str, prompts: list[list[int]], concurrency: int, requests: int, max_tokens: int) -> dict:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
     before = scrape(base)
     start = time.perf_counter()
@@ -133,11 +140,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load")
+    prompt_sets.add_arguments(p, count=16, max_tokens=256)  # + --max-tokens: inside --max-context
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from jaxspec import bundled
+    from jaxspec.tokenizer import load_tokenizer
 
-    prompts = bundled.prompts()
+    prompt_set = prompt_sets.from_args(args, load_tokenizer(bundled.paths()[0]))
+    prompts = prompt_set.ids
     levels = [int(c) for c in args.concurrency.split(",")]
     logs = {mode: Path(tempfile.gettempdir()) / f"serve_load_{mode}.log" for mode in ("speculative", "plain")}
     servers = {
@@ -166,7 +176,7 @@ def main(argv=None) -> int:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait()
-    report = summarize(rows, levels, args)
+    report = summarize(rows, levels, args) | prompt_set.describe()
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     args.out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
@@ -213,7 +223,7 @@ def summarize(rows: list[dict], levels: list[int], args) -> dict:
         ),
     }
     return {
-        "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
+        "command": prompt_sets.command("benchmarks/serve_load.py", sys.argv[1:], args),
         "model": "bundled pair (assets/kimi-py-tiny)",
         "num_steps": args.num_steps,
         "max_tokens": args.max_tokens,

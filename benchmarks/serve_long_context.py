@@ -13,7 +13,9 @@ each in a shuffled order, so other work on this shared machine falls on every en
 tokens over its own steps' seconds, prefill included. Per range: the chain's acceptance (accepted drafts per row-cycle
 and a_1..a_4, from the k = 4 engine's counters over that load), each engine's tokens/s, auto / the best fixed shape, and
 auto's segments per shape. Every engine must produce the same tokens (asserted: greedy output does not depend on the
-draft).
+draft). The prompts must pass prompt_sets.py's diversity check. They stay the held-out files, not --prompt-set: the
+ranges need prompts of 768 and 1,792 tokens, and no HumanEval problem has more than 487 (ShareGPT's long turns are
+English the pair never saw).
 
     python benchmarks/serve_long_context.py      # writes benchmarks/results/serve_long_context.{json,md}
 """
@@ -29,7 +31,8 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-from serve_engine import Clients, load_text, lockstep  # this directory (run as a script)
+import prompt_sets  # this directory (run as a script)
+from serve_engine import Clients, load_text, lockstep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +65,7 @@ def long_prompts(tokenizer, length: int, count: int) -> list[list[int]]:
         while len(tokens) < length:
             tokens, j = tokens + ids[j % len(ids)], j + 1
         prompts.append(tokens[:length])
+    prompt_sets.check_prompts(prompts, [f"{length}-token prompt {i}" for i in range(count)])
     return prompts
 
 

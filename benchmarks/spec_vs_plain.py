@@ -1,18 +1,21 @@
 """Speculative vs plain decoding through `generate`, in one process on the same weights: three measurements.
     python benchmarks/spec_vs_plain.py                    # --measure sweep: tokens/s of k = 0 (plain) .. --max-k
-    python benchmarks/spec_vs_plain.py --measure pair     # k = --num-steps vs plain on held-out prompts, interleaved
+    python benchmarks/spec_vs_plain.py --measure pair     # k = --num-steps vs plain on --prompt-set, interleaved
     python benchmarks/spec_vs_plain.py --measure length   # fixed and per-token cost of k = 0 and k = --num-steps
 The pair: --model and --drafter (checkpoint directories), else --pair: "random" (--preset's random target and a random
 drafter: the machinery only) or "bundled" (the bundled trained pair). Each measurement's default pair and output:
 - sweep (pair random, results/spec_vs_plain.json): every k runs once to compile (not timed), then --repeats runs
-  (median seconds); `speedup` is its tokens/s over plain decoding's, with the acceptance statistics.
-- pair (pair bundled, results/bundled_pair.json; greedy, batch 1, --prompts held-out prompts): every prompt is first
-  run once in both modes (compiling every prompt-length bucket), then --repeats timed passes interleave speculative
-  and plain per prompt, so drift in machine speed hits both alike. Reported: mean accepted length (tokens per cycle
-  incl. the bonus token, over all prompts), acceptance per draft position, tokens/s of each mode (total new tokens /
-  total seconds) and their ratio (of the median pass).
-- length (pair bundled, results/marginal_cost.json; one held-out prompt, batch 1): `generate` at each of --lengths
-  new tokens (compiled first; median of --repeats) for k = 0 and k = --num-steps, fitted as time = fixed +
+  (median seconds); `speedup` is its tokens/s over plain decoding's, with the acceptance statistics. One batch: the
+  --prompts file, else with a tokenizer --prompt-count prompts of --prompt-set, else two fixed id lists (a random
+  pair's acceptance means nothing whatever its prompts).
+- pair (pair bundled, results/bundled_pair.json; greedy, batch 1, --prompt-count prompts of --prompt-set, see
+  prompt_sets.py; the outputs must pass its loop check): every prompt is first run once in both modes (compiling
+  every prompt-length bucket), then --repeats timed passes interleave speculative and plain per prompt, so drift in
+  machine speed hits both alike. Reported: mean accepted length (tokens per cycle incl. the bonus token, over all
+  prompts; and over the prompts whose output does not end in a short loop), acceptance per draft position, tokens/s
+  of each mode (total new tokens / total seconds) and their ratio (of the median pass).
+- length (pair bundled, results/marginal_cost.json; the first prompt of --prompt-set, batch 1): `generate` at each of
+  --lengths new tokens (compiled first; median of --repeats) for k = 0 and k = --num-steps, fitted as time = fixed +
   per-token x tokens (least squares). The marginal speedup (plain per-token / speculative per-token) is what long
   generations approach; the fixed part is per call.
 Until this script took them over, pair and length were benchmarks/bundled_pair.py and marginal_cost.py: the result
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import prompt_sets  # this directory (run as a script)
 
 from jaxspec.decoding import DraftShape
 
@@ -49,8 +53,8 @@ def main() -> None:
     p.add_argument("--drafter")
     p.add_argument("--preset", default="tiny", help="the random pair's config")
     p.add_argument("--tokenizer")
-    p.add_argument("--prompts", help="sweep: a text file, one prompt per line (ids 'a,b,c' without a tokenizer); "
-                   "pair: how many held-out prompts (at most 16; default 16)")  # fmt: skip
+    p.add_argument("--prompts", help="sweep: a text file, one prompt per line (ids 'a,b,c' without a tokenizer)")
+    prompt_sets.add_arguments(p, count=16, max_tokens=256)  # pair, length
     p.add_argument("--max-k", type=int, default=6, help="sweep: the deepest chain")
     p.add_argument("--num-steps", type=int, default=3, help="pair, length: the chain timed against plain decoding")
     p.add_argument("--max-new-tokens", type=int, help="sweep: 64, pair: 96")
@@ -70,7 +74,10 @@ def main() -> None:
         simulate_cpu_devices(args.cpu_devices)
     target, drafter, tokenizer = load_pair(args)
     measure = {"sweep": measure_sweep, "pair": measure_pair, "length": measure_length}[args.measure]
-    record = {"command": " ".join(["python benchmarks/spec_vs_plain.py", *sys.argv[1:]])}
+    command = " ".join(["python benchmarks/spec_vs_plain.py", *sys.argv[1:]])
+    if args.measure != "sweep" or (tokenizer and not args.prompts):
+        command = prompt_sets.command("benchmarks/spec_vs_plain.py", sys.argv[1:], args)
+    record = {"command": command}
     record |= measure(args, target, drafter, tokenizer)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=2) + "\n")
@@ -122,10 +129,14 @@ def machine() -> dict:
 
 
 def measure_sweep(args, target, drafter, tokenizer) -> dict:
+    prompt_set = None
     if args.prompts:
         lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         prompts = lines if tokenizer else [[int(t) for t in ln.split(",")] for ln in lines]
-    else:
+    elif tokenizer:  # one batch of --prompt-count prompts of --prompt-set
+        prompt_set = prompt_sets.from_args(args, tokenizer)
+        prompts = prompt_set.ids
+    else:  # a random pair without a tokenizer: its acceptance means nothing whatever the prompts
         prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46]]
     rows = []
     for k in range(args.max_k + 1):
@@ -155,6 +166,7 @@ def measure_sweep(args, target, drafter, tokenizer) -> dict:
         "mesh": dict(target.mesh.shape),
         **machine(),
         "prompts": len(prompts),
+        **(prompt_set.describe() if prompt_set else {}),
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "rows": rows,
@@ -163,10 +175,14 @@ def measure_sweep(args, target, drafter, tokenizer) -> dict:
 
 
 def measure_pair(args, target, drafter, tokenizer) -> dict:
-    from jaxspec import bundled
+    prompt_set = prompt_sets.from_args(args, tokenizer)
+    prompts, outputs = prompt_set.ids, {}
 
-    prompts = bundled.prompts()[: int(args.prompts or 16)]
-    call = lambda prompt, k: run(target, drafter, [prompt], k, args.max_new_tokens, tokenizer).stats
+    def call(prompt, k):
+        out = run(target, drafter, [prompt], k, args.max_new_tokens, tokenizer)
+        outputs[tuple(prompt)] = [int(t) for t in out.tokens[0]]  # greedy: the same in both modes
+        return out.stats
+
     for prompt in prompts:  # compile every bucket in both modes
         call(prompt, args.num_steps), call(prompt, 0)
     passes = []
@@ -182,39 +198,54 @@ def measure_pair(args, target, drafter, tokenizer) -> dict:
 
     ratios = [rate(spec) / rate(plain) for spec, plain in passes]
     spec, plain = passes[ratios.index(statistics.median_low(ratios))]
-    cycles = sum(s["cycles"] for s in spec)
-    reached = [sum(col) for col in zip(*(s["reached"] for s in spec), strict=True)]
-    accepted = [sum(col) for col in zip(*(s["accepted"] for s in spec), strict=True)]
+    loops = prompt_sets.loops_or_exit([outputs[tuple(p)] for p in prompts], args)
     record = {
         "num_steps": args.num_steps,
-        "prompts": len(prompts),
+        **prompt_set.describe(),
         "max_new_tokens": args.max_new_tokens,
         "batch": 1,
         "temperature": 0.0,
-        "new_tokens": sum(s["new_tokens"] for s in spec),
-        "cycles": cycles,
-        # Tokens committed per cycle (accepted drafts + the bonus token), over every cycle of every prompt.
-        "mean_accepted_length": sum(s["new_tokens"] for s in spec) / cycles,
-        "acceptance_by_position": [a / max(r, 1) for a, r in zip(accepted, reached, strict=True)],
+        **acceptance(spec),
+        # The same over the prompts whose output does not end in a short loop (prompt_sets.output_loops).
+        "without_looping_outputs": acceptance([s for n, s in enumerate(spec) if n not in loops["looping"]]),
+        "output_loops": loops,
         "speculative_tok_s": rate(spec),
         "plain_tok_s": rate(plain),
         "speedup": rate(spec) / rate(plain),
         "speedup_per_pass": ratios,
     } | machine()
-    print(f"held-out prompts: {len(prompts)}, k={args.num_steps}, greedy, batch 1, {args.max_new_tokens} new tokens")
+    print(f"{prompt_set.name}: {len(prompts)} prompts, k={args.num_steps}, greedy, batch 1, {args.max_new_tokens} new")
     print(f"mean accepted length (incl. bonus): {record['mean_accepted_length']:.2f}")
     print("acceptance by draft position: " + ", ".join(f"{a:.2f}" for a in record["acceptance_by_position"]))
     print(
         f"speculative {record['speculative_tok_s']:.1f} tok/s, plain {record['plain_tok_s']:.1f} tok/s: "
         f"speedup {record['speedup']:.2f}x (passes: {', '.join(f'{r:.2f}' for r in ratios)})"
     )
+    without = record["without_looping_outputs"]["mean_accepted_length"]
+    print(f"without the looping outputs: mean accepted length {without:.2f}")
     return record
 
 
-def measure_length(args, target, drafter, tokenizer) -> dict:
-    from jaxspec import bundled
+def acceptance(stats: list[dict]) -> dict:
+    """Tokens committed per cycle (accepted drafts + the bonus token) over every cycle of every run in `stats`, and
+    the acceptance at each draft position."""
+    cycles = sum(s["cycles"] for s in stats)
+    reached = [sum(col) for col in zip(*(s["reached"] for s in stats), strict=True)]
+    accepted = [sum(col) for col in zip(*(s["accepted"] for s in stats), strict=True)]
+    return {
+        "prompts_counted": len(stats),
+        "new_tokens": sum(s["new_tokens"] for s in stats),
+        "cycles": cycles,
+        "mean_accepted_length": sum(s["new_tokens"] for s in stats) / max(cycles, 1),
+        "acceptance_by_position": [a / max(r, 1) for a, r in zip(accepted, reached, strict=True)],
+    }
 
-    prompt = tokenizer.encode(bundled.prompts()[0]) if tokenizer else [3, 14, 15, 92, 65]
+
+def measure_length(args, target, drafter, tokenizer) -> dict:
+    prompt = [3, 14, 15, 92, 65]
+    if tokenizer:
+        first = prompt_sets.load(args.prompt_set, tokenizer, 1, max_tokens=args.prompt_tokens, seed=args.prompt_seed)
+        prompt = first.ids[0]
     lengths = [int(n) for n in args.lengths.split(",")]
     result = {"modes": {}}
     for k in (0, args.num_steps):

