@@ -1,14 +1,15 @@
 """The price of coupled sampling (decoding/coupling.py) on the bundled pair: accepted length and tokens/s of coupled
 against lossless rejection sampling, a chain and a tree, at temperatures 0.6 and 1.0, measured in one run.
 
-    python benchmarks/coupled_price.py                 # 8 held-out prompts, 48 new tokens, batch 1, 2 timed passes
-    python benchmarks/coupled_price.py --prompts 16 --repeats 3
+    python benchmarks/coupled_price.py                 # 8 HumanEval prompts, 48 new tokens, batch 1, 2 timed passes
+    python benchmarks/coupled_price.py --prompt-set sharegpt --prompt-count 16 --repeats 3
 
 Every configuration first runs every prompt once (compiling its buckets); then --repeats timed passes run all
 configurations prompt by prompt, interleaved, so drift in machine speed hits them alike. Plain decoding (its tokens
 are the same in both modes) is the baseline of each temperature. A configuration's accepted length is its mean over
 every cycle (tokens per cycle, the bonus included); its rate is total new tokens / total seconds. Each prompt runs
-with its own seed (its index), the same in every configuration. Writes benchmarks/results/coupled_price.json, .md.
+with its own seed (its index), the same in every configuration. Prompts: --prompt-set (prompt_sets.py). Writes
+benchmarks/results/coupled_price.json and .md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import platform
 from pathlib import Path
 
+import prompt_sets  # this directory (run as a script)
+
 from jaxspec.decoding import DraftShape
 
 SHAPES = [DraftShape(3), DraftShape(3, topk=2, num_draft_tokens=6)]
@@ -26,7 +29,7 @@ MODES = ("rejection", "coupled")
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=8, help="how many held-out prompts (at most 16)")
+    prompt_sets.add_arguments(p, count=8, max_tokens=256)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--temperatures", default="0.6,1.0")
@@ -38,7 +41,8 @@ def main() -> None:
     from jaxspec import bundled, generate
 
     target, drafter, tokenizer = bundled.load_pair()
-    prompts = bundled.prompts()[: args.prompts]
+    prompt_set = prompt_sets.from_args(args, tokenizer)
+    prompts = prompt_set.ids
     temperatures = [float(t) for t in args.temperatures.split(",")]
     configs = [(t, DraftShape(0), "rejection") for t in temperatures]
     configs += [(t, shape, mode) for t in temperatures for shape in SHAPES for mode in MODES]
@@ -68,11 +72,11 @@ def main() -> None:
                 "tokens_per_s": row["tokens_per_s"] / other["tokens_per_s"],
             }
     result = {
-        "command": "python benchmarks/coupled_price.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "output"),
+        "command": f"python benchmarks/coupled_price.py {prompt_sets.flags(args)} --max-new-tokens "
+        f"{args.max_new_tokens} --repeats {args.repeats} --temperatures {args.temperatures}",
+        **prompt_set.describe(),
         "jax": jax.__version__,
         "machine": platform.processor() or platform.machine(),
-        "prompts": len(prompts),
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +105,7 @@ def _row(config, stats: list[dict]) -> dict:
 
 def _markdown(result: dict) -> str:
     lines = [
-        f"# Coupled against rejection sampling ({result['prompts']} held-out prompts, batch 1)",
+        f"# Coupled against rejection sampling ({result['prompts']} {result['prompt_set']} prompts, batch 1)",
         "",
         f"`{result['command']}` (jax {result['jax']})",
         "",
