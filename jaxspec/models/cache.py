@@ -79,21 +79,17 @@ class Paged(NamedTuple):
         return Paged(self.pool, tables)
 
     def dense(self) -> tuple[jax.Array, ...]:
-        """A drafter pool's entries as its dense cache [B, positions, ...] (each row's blocks in table order)."""
+        """A drafter pool's entries as its dense cache [B, positions, ...] (each row's blocks in table order): a copy,
+        for the tree draft's read (its scratch entries sit beside it)."""
         B, K = self.tables.shape
         return tuple(c[self.tables].reshape(B, K * c.shape[1], *c.shape[2:]) for c in self.pool)
 
-    def written(self, dense: tuple[jax.Array, ...], pos_BT: jax.Array) -> Paged:
-        """This drafter pool with the entries a step wrote into `dense` (its `dense()` view) at `pos_BT` put into
-        the rows' blocks (the rest of the view is what the pool holds, and is not written back)."""
+    def write(self, new: tuple[jax.Array, ...], pos_BT: jax.Array) -> Paged:
+        """This drafter pool with each row's T new entries (one array [B, T, ...] per pool array) put at its
+        positions `pos_BT`, in the rows' blocks (in place; positions outside the rows' tables dropped)."""
         blocks_BT, offsets_BT = self.slots(pos_BT)
-        at_BT = jnp.clip(pos_BT, 0, self.positions - 1)
-
-        def put(pool, view):
-            new = jax.vmap(lambda v, p: v[p])(view, at_BT)  # [B, T, ...]
-            return pool.at[blocks_BT, offsets_BT].set(new.astype(pool.dtype), mode="drop")
-
-        return Paged(tuple(put(p, v) for p, v in zip(self.pool, dense, strict=True)), self.tables)
+        put = lambda pool, n: _set(pool, (blocks_BT, offsets_BT), n.astype(pool.dtype))  # noqa: E731
+        return Paged(tuple(put(p, n) for p, n in zip(self.pool, new, strict=True)), self.tables)
 
 
 def paged_specs(mesh, pool_specs: Any, batch_axis: Any) -> Paged:
@@ -129,8 +125,10 @@ def dequantize_entries(packed: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return (values * scale[..., None]).astype(dtype)
 
 
-def read_entries(cache_entries: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Entries read from a cache (either format) in the compute dtype."""
+def read_entries(cache_entries: jax.Array | tuple[jax.Array, ...], dtype: jnp.dtype) -> jax.Array | tuple:
+    """Entries read from a cache (either format; a drafter pool's tuple of arrays) in the compute dtype."""
+    if isinstance(cache_entries, tuple):
+        return tuple(read_entries(c, dtype) for c in cache_entries)
     return dequantize_entries(cache_entries, dtype) if is_fp8(cache_entries) else cache_entries.astype(dtype)
 
 
@@ -178,11 +176,14 @@ def cache_positions(cache: Cache) -> int:
 
 def read_block(cache: Cache, layer: jax.Array | int, row: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Row `row`'s raw entries at positions [start, start + size) of `layer`, [1, size, Y] (start a multiple of a
-    paged cache's block, size too; the caller keeps the range inside the row's positions)."""
+    paged cache's block, size too; the caller keeps the range inside the row's positions); of a drafter's pool (one
+    layer, `layer` unused), a tuple of [1, size, ...] per pool array."""
     if not isinstance(cache, Paged):
         return jax.lax.dynamic_slice(cache, (layer, row, start, 0), (1, 1, size, cache.shape[-1]))[0]
     blk = cache.block
     ids = jax.lax.dynamic_slice(cache.tables, (row, start // blk), (1, size // blk))[0]
+    if not cache.stacked:
+        return tuple(p[ids].reshape(1, size, *p.shape[2:]) for p in cache.pool)
     return cache.pool[layer, ids].reshape(1, size, cache.pool.shape[-1])
 
 

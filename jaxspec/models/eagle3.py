@@ -40,9 +40,10 @@ from flax import nnx
 
 from jaxspec.config import KimiConfig, RopeScaling
 from jaxspec.models import rope
+from jaxspec.models.cache import Paged
 from jaxspec.models.kimi import embed_lookup
 from jaxspec.models.layers import NEG_INF, ones, param, rms_norm, swiglu
-from jaxspec.models.mla import MLA
+from jaxspec.models.mla import KV_BLOCK, MLA, Block, attend_live_prefix, softmax_finish, softmax_init
 from jaxspec.models.quant import einsum as ein
 from jaxspec.models.tree_attention import mla_tree_attention
 from sharding.rules import DEFAULT_RULES, ShardingRules
@@ -317,6 +318,8 @@ class Eagle3Model(nnx.Module):
         if self.config.mla is not None:
             return self._attend_mla(a_BTW, pos_BT, cache)
         q_BTNZ, k_BTOZ, v_BTOZ = self.project_qkv(a_BTW, pos_BT)
+        if isinstance(cache, Paged):
+            return self._attend_pool(q_BTNZ, (k_BTOZ, v_BTOZ), pos_BT, cache)
         if cache is None:
             k_BSOZ, v_BSOZ, kv_pos_BS = k_BTOZ, v_BTOZ, pos_BT
         else:
@@ -329,12 +332,27 @@ class Eagle3Model(nnx.Module):
         mask_BTS = kv_pos_BS[:, None, :] <= pos_BT[:, :, None]
         return self.project_out(attention(q_BTNZ, k_BSOZ, v_BSOZ, mask_BTS)), cache
 
+    def _attend_pool(self, q_BTNZ, new: tuple[jax.Array, jax.Array], pos_BT, cache: Paged):
+        """Llama attention over the drafter's pool in place: the step's keys and values written into the rows'
+        blocks, then each row reads its own blocks as far as its own position (mla.attend_live_prefix's ragged loop,
+        online softmax), as the target reads its pool."""
+        cache = cache.write(new, pos_BT)
+        O, Z = new[0].shape[2:]  # noqa: E741
+        block = Block(group_queries(q_BTNZ, O), _gqa_block)
+        init = softmax_init(q_BTNZ, Z)
+        state = attend_live_prefix(cache, 0, pos_BT, block, init, Z**-0.5, KV_BLOCK, q_BTNZ.dtype)
+        return self.project_out(softmax_finish(state, q_BTNZ.dtype)), cache
+
     def _attend_mla(self, a_BTW, pos_BT, cache):
-        """The target's MLA over the drafter's latent cache (a 1-tuple: [B, S, kv_lora_rank + qk_rope_head_dim])."""
+        """The target's MLA over the drafter's latent cache (a 1-tuple: [B, S, kv_lora_rank + qk_rope_head_dim], or
+        a pool of one array [N, block, Y], read and written in place as the target's is)."""
         cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
         impl = "expanded" if cache is None else "absorbed"  # as the target: prefill expanded, cached steps absorbed
         if cache is None:
             return self.attn(a_BTW, cos_sin, pos_BT, None, 0, impl)[0], None
+        if isinstance(cache, Paged):  # the target's layout: a layer stack of one
+            out_BTD, stacked = self.attn(a_BTW, cos_sin, pos_BT, Paged(cache.pool[0][None], cache.tables), 0, impl)
+            return out_BTD, Paged((stacked.pool[0],), cache.tables)
         # MLA takes a layer-stacked cache and a layer index; the drafter's one layer is a stack of one.
         out_BTD, latent_LBSY = self.attn(a_BTW, cos_sin, pos_BT, cache[0][None], 0, impl)
         return out_BTD, (latent_LBSY[0],)
@@ -373,6 +391,19 @@ class DraftMLA(MLA):
         self.o = param(
             rngs, (cfg.num_attention_heads, cfg.v_head_dim, cfg.hidden_size), ("heads", None, "embed"), dtype
         )
+
+
+def _gqa_block(q_BTOPZ: jax.Array, kv: tuple[jax.Array, jax.Array]):
+    """`mla.Block`'s function for grouped-query attention: a block of keys and values ([B,S,O,Z] each) gives the
+    scores [B,N,T,S] (unscaled, fp32) and the mixing of probabilities into the output [B,T,N,Z]."""
+    k_BSOZ, v_BSOZ = kv
+    B, T, O, P, Z = q_BTOPZ.shape  # noqa: E741
+    s_BNTS = ein("BTOPZ,BSOZ->BOPTS", q_BTOPZ, k_BSOZ, dtype=jnp.float32).reshape(B, O * P, T, -1)
+
+    def mix(p_BNTS: jax.Array) -> jax.Array:
+        return ein("BOPTS,BSOZ->BTOPZ", p_BNTS.reshape(B, O, P, T, -1), v_BSOZ).reshape(B, T, O * P, Z)
+
+    return s_BNTS, mix
 
 
 def group_queries(q_BTNZ: jax.Array, kv_heads: int) -> jax.Array:

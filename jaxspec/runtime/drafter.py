@@ -107,12 +107,8 @@ class Drafter:
         cache_spec = self.specs_of(cache)
 
         def local(params, tokens, hidden, pos, cache):
-            model = nnx.merge(self.graphdef, params)
-            if not isinstance(cache, Paged):
-                return model(tokens, hidden, pos, cache, first_step=first_step)
-            # A pool: the rows' entries as the dense cache the model attends over; only the step's are written back.
-            logits, h2, dense = model(tokens, hidden, pos, cache.dense(), first_step=first_step)
-            return logits, h2, cache.written(dense, pos)
+            model = nnx.merge(self.graphdef, params)  # a pool (`Paged`) is written and read in place, row by row
+            return model(tokens, hidden, pos, cache, first_step=first_step)
 
         specs = (PartitionSpec(batch, None), PartitionSpec(batch, None, None), PartitionSpec(batch, None), cache_spec)
         return self._sharded_step(local, params, (tokens_BT, hidden, pos_BT, cache), specs, cache_spec)

@@ -1,0 +1,74 @@
+"""The drafter over the serving pool: its step writes its new entries into each row's own blocks and reads each row's
+blocks in place, only as far as that row's own position (ragged), and gives what it gives over the dense cache."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import KimiConfig, Target
+from jaxspec.io.drafter_config import draft_config_for
+from jaxspec.models.cache import Paged
+from jaxspec.models.mla import KV_BLOCK
+from jaxspec.runtime import Drafter
+
+B, S, BLOCK, T = 3, 3 * KV_BLOCK, 64, 2
+POS = np.asarray([[5], [KV_BLOCK + 100], [2 * KV_BLOCK + 300]], np.int32) + np.arange(T, dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target.random(KimiConfig.preset("tiny"), dtype=jnp.float32, seed=0)
+
+
+def make_drafter(target, kind: str) -> Drafter:
+    cfg = draft_config_for(target.config)
+    if kind == "mla":
+        mla = target.config.replace(hidden_size=cfg.hidden_size, q_lora_rank=24, kv_lora_rank=40)
+        cfg = dataclasses.replace(cfg, mla=mla, format="mla")
+    return Drafter.random(cfg, target, dtype=jnp.float32, seed=2)
+
+
+def pooled(dense: tuple[np.ndarray, ...], rng) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """The dense cache's entries in a pool of shuffled blocks. Whatever a row's read must not touch is NaN: the null
+    block 0, and each row's blocks past the live-prefix blocks (of KV_BLOCK positions) its position reaches."""
+    K = S // BLOCK
+    tables = (1 + rng.permutation(B * K)).reshape(B, K).astype(np.int32)
+    pools = []
+    for c in dense:
+        pool = np.full((1 + B * K, BLOCK, *c.shape[2:]), np.nan, np.float32)
+        for b in range(B):
+            live = -(-(POS[b].max() + 1) // KV_BLOCK) * KV_BLOCK
+            entries = c[b].copy()
+            entries[live:] = np.nan
+            pool[tables[b]] = entries.reshape(K, BLOCK, *c.shape[2:])
+        pools.append(pool)
+    return tuple(pools), tables
+
+
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_the_drafter_reads_and_writes_its_pool_in_place_row_by_row(target, kind):
+    drafter = make_drafter(target, kind)
+    rng = np.random.default_rng(3)
+    dense = tuple(rng.standard_normal((B, S, *c.shape[2:])).astype(np.float32) for c in drafter.init_cache(1, 8))
+    pools, tables = pooled(dense, rng)
+    tokens = jnp.asarray(rng.integers(0, target.vocab_size, (B, T)), jnp.int32)
+    width = len(drafter.capture_layers) * drafter.config.target_hidden_size
+    hidden = jnp.asarray(rng.standard_normal((B, T, width)), jnp.float32)
+    step = jax.jit(
+        lambda cache: drafter.apply(drafter.params, tokens, hidden, jnp.asarray(POS), cache, first_step=True)
+    )
+    want_logits, want_h2, want_cache = step(tuple(jnp.asarray(c) for c in dense))
+    logits, h2, paged = step(Paged(tuple(jnp.asarray(p) for p in pools), jnp.asarray(tables)))
+    assert np.isfinite(np.asarray(logits)).all()  # nothing past a row's live blocks was read
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(h2), np.asarray(want_h2), rtol=1e-4, atol=1e-4)
+    for pool, want in zip(paged.pool, want_cache, strict=True):
+        pool, want = np.asarray(pool), np.asarray(want)
+        assert np.isnan(pool[0]).all()  # the null block: never written
+        for b in range(B):
+            row = pool[tables[b]].reshape(S, *pool.shape[2:])
+            live = POS[b].max() + 1
+            np.testing.assert_allclose(row[:live], want[b, :live], rtol=1e-5, atol=1e-5)  # the new entries included
