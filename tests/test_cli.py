@@ -35,6 +35,11 @@ def test_inspect_counts_collectives_of_a_verify_step(tmp_path, capsys):
     assert "all-reduce" in capsys.readouterr().out
 
 
+def test_inspect_find_dcp_needs_a_slice():
+    with pytest.raises(SystemExit, match="--find-dcp needs --topology"):
+        main(["inspect", "--preset", "tiny", "--find-dcp"])
+
+
 def test_unknown_collective_preset():
     with pytest.raises(SystemExit, match="unknown collective preset 'fast'"):
         main(["--collective-preset", "fast", "predict"])
