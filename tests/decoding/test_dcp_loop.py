@@ -6,6 +6,7 @@ slow (each case compiles two loops on 8 devices, about 30 s)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxspec import KimiConfig, Target, generate
@@ -41,7 +42,29 @@ def test_greedy_tokens_equal_the_unstriped_cache(pair, shape, dcp, kv, dtype):
         drafter = random_drafter(target)
     target = target.with_kv_cache_dtype(kv)
     run = lambda n: generate(target, drafter, PROMPTS[3], draft=SHAPES[shape], max_new_tokens=NEW, dcp=n)  # noqa: E731
-    assert run(dcp).tokens == run(1).tokens
+    got, want = run(dcp).tokens, run(1).tokens
+    if dtype == jnp.float32:
+        assert got == want
+    else:
+        assert_same_up_to_near_ties(target, PROMPTS[3], got, want)
+
+
+def assert_same_up_to_near_ties(target, prompts, got, want) -> None:
+    """bfloat16: the striped cache sums each row's attention in another order (each stripe's online softmax, then the
+    merge), so a greedy token may flip where the top two logits are within bfloat16's rounding (random weights give
+    such near-ties: one at 0.3652 against 0.3633 here). Each row must equal the unstriped one up to its first
+    difference, and there the two tokens' logits (a cache-free forward over the agreed prefix) must be that close.
+    Weaker than float32's equality: the tiny random model attends almost uniformly, so a merge without its
+    log-sum-exp rescale moves logits by about bfloat16's rounding and passes here; the float32 cases catch it."""
+    for prompt, g, w in zip(prompts, got, want, strict=True):
+        i = next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
+        if i is None:
+            assert len(g) == len(w)
+            continue
+        logits = np.asarray(target.logits(jnp.asarray([prompt + w[:i]], jnp.int32)), np.float32)[0, -1]
+        top = np.abs(logits).max()
+        close = abs(logits[g[i]] - logits[w[i]]) <= 2 * 2**-7 * top  # two bfloat16 ulps of the largest logit
+        assert close, (i, g[i], w[i], logits[g[i]], logits[w[i]])
 
 
 @pytest.mark.slow
