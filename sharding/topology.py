@@ -118,3 +118,14 @@ def kv_capacity_tokens(hbm_bytes: int, step_bytes: int, cache_bytes: int, cache_
     if cache_bytes <= 0 or cache_positions <= 0:
         raise ValueError(f"cache_bytes, cache_positions: expected > 0, got {cache_bytes}, {cache_positions}")
     return max(0, (hbm_bytes - (step_bytes - cache_bytes)) * cache_positions // cache_bytes)
+
+
+def smallest_fitting_dcp(hbm_bytes: int, step_bytes: int, cache_bytes: int, dcp: int, model: int) -> int | None:
+    """The smallest --dcp >= `dcp` dividing the `model`-device axis at which a step fits in `hbm_bytes`, estimated
+    from one compile at `dcp` (`step_bytes` per device, `cache_bytes` of it the cache): everything but the cache
+    stays, the cache shrinks as 1/dcp; None if none fits. Conservative: libtpu's temporaries for Kimi-K2.5 hold about
+    one more cache's worth, which shrinks too (v5p-16, batch 32 x 8,192: from --dcp 1's compile this says 4, compiled
+    2 fits). A smaller --dcp than the one compiled is not estimated (its temporaries grow): compile it."""
+    whole, rest = cache_bytes * dcp, step_bytes - cache_bytes  # the cache at dcp 1; weights and temporaries
+    fitting = [n for n in range(dcp, model + 1) if model % n == 0 and rest + whole / n <= hbm_bytes]
+    return fitting[0] if fitting else None

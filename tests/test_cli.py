@@ -35,6 +35,13 @@ def test_inspect_counts_collectives_of_a_verify_step(tmp_path, capsys):
     assert "all-reduce" in capsys.readouterr().out
 
 
+def test_inspect_find_dcp_needs_a_slice_and_dcp_must_divide_the_model_axis():
+    with pytest.raises(SystemExit, match="--find-dcp needs --topology"):
+        main(["inspect", "--preset", "tiny", "--find-dcp"])
+    with pytest.raises(SystemExit, match=r"--dcp: dcp: 3 does not divide the mesh's 'model' axis of 8"):
+        main(["inspect", "--preset", "tiny", "--mesh", "1x8", "--dcp", "3"])
+
+
 def test_unknown_collective_preset():
     with pytest.raises(SystemExit, match="unknown collective preset 'fast'"):
         main(["--collective-preset", "fast", "predict"])

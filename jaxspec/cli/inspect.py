@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compile for a TPU slice without one (needs the tpu extra): a Cloud TPU name (v5p-16, v6e-32, "
         "tpu7x-8, ...) or libtpu's (v5:2x2x2, v6e:4x8, tpu7x:2x2x1)",
     )
+    p.add_argument(
+        "--find-dcp",
+        action="store_true",
+        help="with --topology, where the step does not fit: compile it at each larger --dcp dividing the model axis "
+        "until one fits, and name that one as smallest_fitting_dcp (default: an estimate from this compile)",
+    )
     p.add_argument("--json", type=Path, help="also write the report as JSON to this path")
 
 
@@ -78,6 +84,8 @@ def check(args: argparse.Namespace) -> None:
             fail(f"--{e}")
         if args.cpu_devices:
             fail("--topology compiles for the slice's own devices; drop --cpu-devices")
+    elif args.find_dcp:
+        fail("--find-dcp needs --topology (a slice's HBM to fit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,30 +193,44 @@ def slice_report(
         "cache_token_bytes_per_device": cache_bytes / positions,
     }
     out |= capacity(target, hbm, required, cache_bytes, positions)
+    if args.find_dcp and not out["fits"]:
+        out |= find_dcp(target, args, devices, hbm)
     if compiled is not None:
         out["kernels"] = dict(sorted(Counter(_CUSTOM_CALL.findall(compiled.as_text())).items()))
     return out
 
 
 def capacity(target: Any, hbm: int, required: int, cache_bytes: int, positions: int) -> dict[str, Any]:
-    """Cache positions that fit, per device and for the slice, and the smallest --dcp at which this step's cache
-    fits. A device holds its data shard's rows and 1/dcp of their positions; the devices of a DCP group hold
-    different positions, the groups of the model axis the same ones, so the slice holds per device x data x dcp.
-    The smallest --dcp is estimated from this compile, among this --dcp and larger ones: everything but the cache
-    stays, the cache shrinks as 1/dcp (a smaller --dcp also grows the attention's temporaries, so it is not
-    estimated from here: compile with it)."""
-    from sharding.topology import kv_capacity_tokens
+    """Cache positions that fit, per device and for the slice, and the smallest --dcp (>= this one) at which this
+    step's cache fits. A device holds its data shard's rows and 1/dcp of their positions; the devices of a DCP group
+    hold different positions, the groups of the model axis the same ones, so the slice holds per device x data x
+    dcp."""
+    from sharding.topology import kv_capacity_tokens, smallest_fitting_dcp
 
     per_device = kv_capacity_tokens(hbm, required, cache_bytes, positions)
-    model, rest = target.mesh.shape[target.rules.model_axis], required - cache_bytes
-    whole = cache_bytes * target.dcp  # this step's cache at dcp 1
-    fitting = [n for n in range(target.dcp, model + 1) if model % n == 0 and rest + whole / n <= hbm]
+    model = target.mesh.shape[target.rules.model_axis]
     return {
         "kv_capacity_tokens": per_device * target.mesh.shape["data"] * target.dcp,
         "kv_capacity_tokens_per_device": per_device,
         "kv_capacity_scope": "kv_capacity_tokens: positions the whole slice holds; _per_device: one device's",
-        "smallest_fitting_dcp": fitting[0] if fitting else None,
+        "smallest_fitting_dcp": smallest_fitting_dcp(hbm, required, cache_bytes, target.dcp, model),
+        "smallest_fitting_dcp_scope": f"among --dcp >= {target.dcp}, estimated from this compile with only the cache "
+        "shrinking (conservative: a smaller --dcp may fit; compile it to know)",
     }
+
+
+def find_dcp(target: Any, args: argparse.Namespace, devices: Any, hbm: int) -> dict[str, Any]:
+    """--find-dcp: the smallest --dcp above this one (dividing the model axis) whose compiled step fits in HBM."""
+    model = target.mesh.shape[target.rules.model_axis]
+    scope = f"among --dcp >= {target.dcp}, each compiled (--find-dcp)"
+    for n in range(target.dcp + 1, model + 1):
+        if model % n:
+            continue
+        print(f"--find-dcp: compiling at --dcp {n}", flush=True)
+        compiled, oom = compile_or_oom(target.with_dcp(n), args, devices)
+        if oom is None and compiled_total(compiled) <= hbm:
+            return {"smallest_fitting_dcp": n, "smallest_fitting_dcp_scope": scope}
+    return {"smallest_fitting_dcp": None, "smallest_fitting_dcp_scope": scope}
 
 
 def compiled_total(compiled: Any) -> int:
@@ -233,8 +255,8 @@ def format_slice_report(report: dict[str, Any]) -> str:
         f"{report['cache_bytes_source']}); "
         f"kv_capacity_tokens {report['kv_capacity_tokens']} for the slice at --dcp {report['dcp']} "
         f"({report['kv_capacity_tokens_per_device']} per device) beside weights and temporaries",
-        f"smallest --dcp >= {report['dcp']} at which this batch x cache length fits (estimated from this compile): "
-        f"{report['smallest_fitting_dcp'] or 'none'}",
+        f"smallest --dcp >= {report['dcp']} at which this batch x cache length fits: "
+        f"{report['smallest_fitting_dcp'] or 'none'} ({report['smallest_fitting_dcp_scope']})",
     ]
     if "kernels" in report:
         kernels = ", ".join(f"{name} x{n}" for name, n in report["kernels"].items()) or "(none)"

@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxspec.cli.args import add_drafter_arg, add_target_args, build_target, use_bundled_pair
+from jaxspec.cli.args import add_dcp_arg, add_drafter_arg, add_target_args, build_target, use_bundled_pair
 from jaxspec.profiling.cost_model import DEFAULT_TREES
 
 HELP = "sweep the draft depth k (and tree shapes), time every phase, fit the cost model and recommend one"
@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `jaxspec tune`. No --devices: --presets re-runs the command in child processes per preset."""
     add_target_args(p, devices=False)
     add_drafter_arg(p, "EAGLE-3 drafter directory (default with --preset: random drafter)")
+    add_dcp_arg(p)
     p.add_argument("--max-k", type=int, default=4, help="sweep k = 0..MAX_K draft tokens (default: %(default)s)")
     p.add_argument(
         "--trees",
@@ -80,7 +81,7 @@ def _child_argv(args: argparse.Namespace, preset: str, output: Path) -> list[str
     for flag in ("model", "preset", "mesh", "dtype", "drafter", "prompts_file", "trees"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    for flag in ("max_k", "max_new_tokens", "rounds", "stream_cycles"):
+    for flag in ("max_k", "max_new_tokens", "rounds", "stream_cycles", "dcp"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv + ["--output", str(output)]
 
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec.io import load_drafter_or_random
 
     drafter = load_drafter_or_random(args.drafter, target)
-    print(f"target: {source}; drafter: {args.drafter or 'random'}; mesh {dict(target.mesh.shape)}")
+    print(f"target: {source}; drafter: {args.drafter or 'random'}; mesh {dict(target.mesh.shape)}, --dcp {target.dcp}")
     tune(
         target,
         drafter,

@@ -472,13 +472,14 @@ def _named(shape: DraftShape) -> dict[str, Any]:
 
 
 def _setup(timer: PhaseTimer, prompts: int, target, max_new_tokens: int, preset) -> dict:
-    """What the report was measured on: batch, mesh, collective preset, platform and versions."""
+    """What the report was measured on: batch, mesh, --dcp, collective preset, platform and versions."""
     import jaxlib
 
     return {
         "batch": {"prompts": prompts, "padded": timer.batch, "buffer": timer.cache_len},
         "max_new_tokens": max_new_tokens,
         "mesh": {str(name): int(size) for name, size in target.mesh.shape.items()},
+        "dcp": target.dcp,  # the target cache's striping (--dcp)
         "collective_preset": preset.get("name") if isinstance(preset, dict) else preset,
         "collective_preset_record": preset if isinstance(preset, dict) else None,
         "platform": jax.devices()[0].platform,

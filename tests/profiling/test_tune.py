@@ -147,11 +147,11 @@ def test_tree_shapes_parse_and_refuse_what_the_loop_does_not_run(target):
 
 @pytest.mark.slow  # ~40 s of compiles; the one-device sweep above runs the same code in the default suite
 def test_tune_on_8_devices(target):
-    mesh_target = target.on_mesh(make_mesh("1x8"))
+    mesh_target = target.on_mesh(make_mesh("1x8")).with_dcp(8)  # the cache striped over the 8 devices (--dcp 8)
     ks = (1,)  # compiles dominate this test's time; k = 0 on 1 device is covered above
     report = tune(mesh_target, random_drafter(mesh_target), PROMPTS, ks, collective_preset="cpu-sim", **FAST)
     _check_report(report, ks, {"data": 1, "model": 8})
-    assert report["collective_preset"] == "cpu-sim"
+    assert report["collective_preset"] == "cpu-sim" and report["dcp"] == 8
 
 
 def _progress(cycles, lengths, reached, accepted, done):
@@ -234,7 +234,10 @@ def test_cli_arguments_and_prompts_file(tmp_path):
     tune_cli.add_arguments(p)
     args = p.parse_args(["--preset", "tiny", "--max-k", "3", "--output", str(tmp_path)])
     assert (args.preset, args.max_k, args.drafter, args.output) == ("tiny", 3, None, tmp_path)
-    assert (args.rounds, args.stream_cycles, args.max_new_tokens) == (3, 4, 256)
+    assert (args.rounds, args.stream_cycles, args.max_new_tokens, args.dcp) == (3, 4, 256, 1)
+    striped = p.parse_args(["--preset", "tiny", "--dcp", "8", "--output", str(tmp_path)])
+    child = tune_cli._child_argv(striped, "cpu-sim", tmp_path)  # --presets' children keep the striping
+    assert child[child.index("--dcp") + 1] == "8"
     with pytest.raises(SystemExit, match="--rounds must be >= 1"):
         tune_cli.run(p.parse_args(["--preset", "tiny", "--rounds", "0"]))
     good = tmp_path / "prompts.txt"

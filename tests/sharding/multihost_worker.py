@@ -5,6 +5,8 @@
         Joins (with N processes), loads the bundled pair once per mesh, runs every case of CASES and writes
         OUT_DIR/process_I.json: {"mesh/case": tokens per prompt}. With --orbax, also the target restored from that
         `jaxspec-convert target` output (chain decoding on a 1x8 mesh).
+    python -m tests.sharding.multihost_worker OUT_DIR --only MESH/CASE[,...] [--coordinator ...]
+        Runs only those cases (of CASES and EXTRA_CASES; e.g. 1x8/chain-dcp8: the cache striped over all 8 devices).
     python -m tests.sharding.multihost_worker OUT_DIR --hang --coordinator ... --num-processes N --process-id I
         Joins, writes OUT_DIR/ready_I, then runs a cross-process all-reduce every 0.1 s until a peer is lost.
 
@@ -27,6 +29,7 @@ CASES = {
     "tree": dict(num_steps=2, topk=2),
     "sampled": dict(num_steps=3, temperature=1.0, seed=11),
 }
+EXTRA_CASES = {"chain-dcp8": dict(num_steps=3, dcp=8)}  # run with --only (tests/sharding/test_multihost_dcp.py)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,6 +37,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("out", type=Path)
     p.add_argument("--orbax", type=Path, default=None)
     p.add_argument("--hang", action="store_true")
+    p.add_argument("--only", default=None, help="comma-separated MESH/CASE to run instead of every case")
     p.add_argument("--coordinator", default=None)
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
@@ -41,8 +45,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_cases(orbax: Path | None = None) -> dict[str, list[list[int]]]:
-    """Every case on every mesh over all of `jax.devices()`: {"mesh/case": tokens per prompt}."""
+def run_cases(orbax: Path | None = None, only: str | None = None) -> dict[str, list[list[int]]]:
+    """Every case on every mesh over all of `jax.devices()` (or `only` those MESH/CASE): {"mesh/case": tokens per
+    prompt}."""
     import jax.numpy as jnp
 
     from jaxspec import bundled, generate, load_drafter, load_target
@@ -50,9 +55,11 @@ def run_cases(orbax: Path | None = None) -> dict[str, list[list[int]]]:
 
     prompts = bundled.prompts()[:4]
     out = {}
-    for mesh in MESHES:
+    wanted = [c.split("/") for c in only.split(",")] if only else [(m, c) for m in MESHES for c in CASES]
+    for mesh in dict.fromkeys(m for m, _ in wanted):
         target, drafter, tokenizer = bundled.load_pair(mesh=make_mesh(mesh))
-        for name, settings in CASES.items():
+        for name in [c for m, c in wanted if m == mesh]:
+            settings = (CASES | EXTRA_CASES)[name]
             r = generate(target, drafter, prompts, max_new_tokens=NEW_TOKENS, tokenizer=tokenizer, **settings)
             out[f"{mesh}/{name}"] = r.tokens
     if orbax is not None:  # the same drafter on the target restored from the Orbax output: tokens as 1x8/chain
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hang:
         hang(args.out, args.process_id)
     start = time.perf_counter()
-    tokens = run_cases(args.orbax)
+    tokens = run_cases(args.orbax, args.only)
     record = {"tokens": tokens, "seconds": time.perf_counter() - start}
     (args.out / f"process_{args.process_id}.json").write_text(json.dumps(record))
     return 0

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from jaxspec import KimiConfig
-from sharding.topology import CLOUD_NAMES, TopologyError, kv_capacity_tokens, libtpu_name, parse_oom
+from sharding.topology import (
+    CLOUD_NAMES,
+    TopologyError,
+    kv_capacity_tokens,
+    libtpu_name,
+    parse_oom,
+    smallest_fitting_dcp,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 V5P_HBM = round(95.74 * 2**30)  # what libtpu 0.0.42.1 states for a v5p chip
@@ -67,6 +74,25 @@ def test_kv_capacity_by_hand():
     assert kv_capacity_tokens(3 * gib, 6 * gib, 2 * gib, 1000) == 0  # weights + temporaries alone do not fit
     with pytest.raises(ValueError, match="cache_bytes"):
         kv_capacity_tokens(gib, gib, 0, 10)
+
+
+def test_smallest_fitting_dcp_by_hand():
+    gib = 2**30
+    # 10 GiB of HBM, a step of 12 GiB at --dcp 1 of which 4 GiB is the cache: 8 GiB stays, the cache at --dcp n is
+    # 4/n GiB: n = 2 needs exactly 10 GiB (fits), on a model axis of 8 or of 6 (divisors 1, 2, 3, 6).
+    assert smallest_fitting_dcp(10 * gib, 12 * gib, 4 * gib, 1, 8) == 2
+    assert smallest_fitting_dcp(10 * gib - 1, 12 * gib, 4 * gib, 1, 8) == 4
+    assert smallest_fitting_dcp(9 * gib, 12 * gib, 4 * gib, 1, 6) == 6  # 4 and 5 do not divide 6; 3 needs 9.33 GiB
+    assert smallest_fitting_dcp(8 * gib, 12 * gib, 4 * gib, 1, 8) is None  # 8.5 GiB at dcp 8
+    # compiled at --dcp 4 (a cache of 1 GiB per device, 4 GiB at dcp 1): never a smaller one, even where it would fit
+    assert smallest_fitting_dcp(100 * gib, 9 * gib, 1 * gib, 4, 8) == 4
+    assert smallest_fitting_dcp(8.6 * gib, 9 * gib, 1 * gib, 4, 8) == 8
+    assert smallest_fitting_dcp(8.4 * gib, 9 * gib, 1 * gib, 4, 8) is None
+    # libtpu's figures for Kimi-K2.5 on a v5p-16, batch 32 x 8,192, verify of 4 (results/inspect_dcp{1,8}_v5p16_*):
+    # from the --dcp 1 compile (107.21 GiB, 17.16 GiB of cache) 4 fits by the estimate; from --dcp 8's, 8
+    hbm = 102800042230
+    assert smallest_fitting_dcp(hbm, 115115860951, 18421383168, 1, 8) == 4
+    assert smallest_fitting_dcp(hbm, 81138636352, 2302672896, 8, 8) == 8
 
 
 def inspect_slice(tmp_path: Path, name: str, *argv: str, timeout: int = 240) -> dict:
@@ -149,6 +175,20 @@ def test_fp8_cache_holds_1_7x_the_positions_at_batch_32_x_8k(tmp_path):
     assert bf16["fits"] is False and bf16["margin_bytes"] < 0 and "does NOT fit" in bf16["stdout"]
     assert bf16["required_source"].startswith("compiler error")
     assert fp8["kv_capacity_tokens"] >= 1.7 * bf16["kv_capacity_tokens"] > 0
+
+
+@pytest.mark.slow  # three full-size compiles (~1-3 minutes on this CPU)
+def test_dcp_fits_batch_32_x_8k_and_find_dcp_names_the_smallest(tmp_path):
+    """Issue 46's done-when: at batch 32 x 8k, --dcp 8 fits a v5p-16 and its slice holds >= 7x the positions of
+    --dcp 1; --find-dcp from --dcp 1 compiles --dcp 2, which fits (the estimate alone says 4)."""
+    argv = ("--topology", "v5p:2x2x2", "--preset", "kimi-k2.5", "--batch", "32", "--tokens", "4", "--cache-len", "8192")
+    one = inspect_slice(tmp_path, "dcp1", *argv, "--dcp", "1", "--find-dcp", timeout=600)
+    eight = inspect_slice(tmp_path, "dcp8", *argv, "--dcp", "8", timeout=600)
+    assert one["fits"] is False and eight["fits"] is True
+    assert eight["kv_capacity_tokens"] >= 7 * one["kv_capacity_tokens"] > 0
+    assert eight["kv_capacity_tokens"] == 8 * eight["kv_capacity_tokens_per_device"]
+    assert one["smallest_fitting_dcp"] == 2 and "compiled" in one["smallest_fitting_dcp_scope"]
+    assert eight["smallest_fitting_dcp"] == 8
 
 
 @pytest.mark.slow  # ~70 s of compile on this CPU (benchmarks/results/deepseek_v3_fp8.md)
