@@ -78,12 +78,6 @@ class Paged(NamedTuple):
             tables = tables[:, : positions // self.block]
         return Paged(self.pool, tables)
 
-    def dense(self) -> tuple[jax.Array, ...]:
-        """A drafter pool's entries as its dense cache [B, positions, ...] (each row's blocks in table order): a copy,
-        for the tree draft's read (its scratch entries sit beside it)."""
-        B, K = self.tables.shape
-        return tuple(c[self.tables].reshape(B, K * c.shape[1], *c.shape[2:]) for c in self.pool)
-
     def write(self, new: tuple[jax.Array, ...], pos_BT: jax.Array) -> Paged:
         """This drafter pool with each row's T new entries (one array [B, T, ...] per pool array) put at its
         positions `pos_BT`, in the rows' blocks (in place; positions outside the rows' tables dropped)."""

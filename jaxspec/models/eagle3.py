@@ -43,9 +43,9 @@ from jaxspec.models import rope
 from jaxspec.models.cache import Paged
 from jaxspec.models.kimi import embed_lookup
 from jaxspec.models.layers import NEG_INF, ones, param, rms_norm, swiglu
-from jaxspec.models.mla import KV_BLOCK, MLA, Block, attend_live_prefix, softmax_finish, softmax_init
+from jaxspec.models.mla import KV_BLOCK, MLA, Block, attend_live_prefix, online_softmax, softmax_finish, softmax_init
 from jaxspec.models.quant import einsum as ein
-from jaxspec.models.tree_attention import mla_tree_attention
+from jaxspec.models.tree_attention import merge_softmax, mla_tree_attention
 from sharding.rules import DEFAULT_RULES, ShardingRules
 
 
@@ -362,6 +362,8 @@ class Eagle3Model(nnx.Module):
         q_BKNZ, k_BKOZ, v_BKOZ = self.project_qkv(a_BKW, pos_BK)
         put = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), write_at, axis=1)
         scratch = tuple(put(c, n) for c, n in zip(scratch, (k_BKOZ, v_BKOZ), strict=True))
+        if isinstance(cache, Paged):
+            return self._attend_tree_pool(q_BKNZ, cache, scratch, mask_BKM, prefix_len_B), scratch
         k_BSOZ, v_BSOZ = (
             jnp.concatenate([c, s], axis=1).astype(a_BKW.dtype) for c, s in zip(cache, scratch, strict=True)
         )
@@ -370,14 +372,26 @@ class Eagle3Model(nnx.Module):
         mask_BKS = jnp.concatenate([prefix_BKS, mask_BKM], axis=-1)
         return self.project_out(attention(q_BKNZ, k_BSOZ, v_BSOZ, mask_BKS)), scratch
 
+    def _attend_tree_pool(self, q_BKNZ, cache: Paged, scratch, mask_BKM, prefix_len_B) -> jax.Array:
+        """Tree nodes' Llama attention over the drafter's pool in place (each row's own blocks below its prefix,
+        ragged) and over the scratch entries `mask_BKM` marks, the two softmax states merged."""
+        O, Z = scratch[0].shape[2:]  # noqa: E741
+        dtype = q_BKNZ.dtype
+        block, init = Block(group_queries(q_BKNZ, O), _gqa_block), softmax_init(q_BKNZ, Z)
+        last_prefix_BK = jnp.broadcast_to((prefix_len_B - 1)[:, None], q_BKNZ.shape[:2]).astype(jnp.int32)
+        prefix = attend_live_prefix(cache, 0, last_prefix_BK, block, init, Z**-0.5, KV_BLOCK, dtype)
+        fresh = online_softmax(init, *block(tuple(c.astype(dtype) for c in scratch)), mask_BKM, Z**-0.5)
+        return self.project_out(softmax_finish(merge_softmax(prefix, fresh), dtype))
+
     def _attend_tree_mla(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B):
         """The target's tree attention (absorbed MLA) over the drafter's latent cache and scratch latents."""
         cos_sin = rope.cos_sin(pos_BK, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
         q_nope_BKNH, q_rope_BKNR, fresh_BKY = self.attn.project(a_BKW, cos_sin)
         (latent_BMY,) = scratch
         latent_BMY = jax.lax.dynamic_update_slice_in_dim(latent_BMY, fresh_BKY.astype(latent_BMY.dtype), write_at, 1)
+        stacked = Paged(cache.pool[0][None], cache.tables) if isinstance(cache, Paged) else cache[0][None]
         out_BKD = mla_tree_attention(
-            self.attn, q_nope_BKNH, q_rope_BKNR, latent_BMY, cache[0][None], 0, prefix_len_B, mask_BKM
+            self.attn, q_nope_BKNH, q_rope_BKNR, latent_BMY, stacked, 0, prefix_len_B, mask_BKM
         )
         return out_BKD, (latent_BMY,)
 

@@ -135,8 +135,7 @@ class Drafter:
         batch, cache_spec = self.rules.batch, self.cache_specs()
 
         def local(params, tokens, hidden, pos, cache, scratch, mask, prefix):
-            model = nnx.merge(self.graphdef, params)
-            cache = cache.dense() if isinstance(cache, Paged) else cache  # only read
+            model = nnx.merge(self.graphdef, params)  # the cache (a pool read in place, or dense) is only read
             return model.tree_step(tokens, hidden, pos, cache, scratch, write_at, mask, prefix)
 
         args = (tokens_BK, hidden_BKD, pos_BK, cache, scratch, mask_BKM, prefix_len_B)

@@ -72,3 +72,28 @@ def test_the_drafter_reads_and_writes_its_pool_in_place_row_by_row(target, kind)
             row = pool[tables[b]].reshape(S, *pool.shape[2:])
             live = POS[b].max() + 1
             np.testing.assert_allclose(row[:live], want[b, :live], rtol=1e-5, atol=1e-5)  # the new entries included
+
+
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_a_tree_step_reads_the_pool_in_place(target, kind):
+    """A draft tree's step over K nodes per row: each row's cached entries below its prefix, read from its own blocks
+    (none past them: those are NaN), and the nodes' scratch entries give what the dense cache gives."""
+    drafter = make_drafter(target, kind)
+    rng = np.random.default_rng(4)
+    dense = tuple(rng.standard_normal((B, S, *c.shape[2:])).astype(np.float32) for c in drafter.init_cache(1, 8))
+    pools, tables = pooled(dense, rng)
+    K = 2
+    prefix_B = jnp.asarray(POS[:, 0])
+    tokens = jnp.asarray(rng.integers(0, target.vocab_size, (B, K)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((B, K, drafter.config.hidden_size)), jnp.float32)
+    pos = jnp.broadcast_to(prefix_B[:, None], (B, K))
+    mask = jnp.broadcast_to(jnp.eye(K, dtype=bool), (B, K, K))  # each node sees itself among the scratch entries
+    scratch = drafter.init_scratch(B, K)
+    step = jax.jit(
+        lambda cache: drafter.apply_tree(drafter.params, tokens, hidden, pos, cache, scratch, 0, mask, prefix_B)
+    )
+    want = step(tuple(jnp.asarray(c) for c in dense))
+    got = step(Paged(tuple(jnp.asarray(p) for p in pools), jnp.asarray(tables)))
+    assert np.isfinite(np.asarray(got[0])).all()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
