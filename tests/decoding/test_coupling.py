@@ -29,13 +29,13 @@ def oracle(target, prompts, continuations, decoy_every: int) -> OracleDrafter:
     return OracleDrafter(target, table, decoy_every=decoy_every)
 
 
-# Default suite: a chain and a tree with the mostly-right drafter (~25 s each); -m slow adds more shapes and a drafter
-# that is mostly wrong (every token then a correction).
+# Default suite: a chain with the mostly-right drafter (~25 s; trees run coupled in test_engine_tree's default test);
+# -m slow adds a tree, more shapes and a drafter that is mostly wrong (every token then a correction).
 @pytest.mark.parametrize(
     "draft, wrong",
     [
         (dict(num_steps=3), False),
-        (dict(num_steps=3, topk=2, num_draft_tokens=7), False),
+        pytest.param(dict(num_steps=3, topk=2, num_draft_tokens=7), False, marks=pytest.mark.slow),
         pytest.param(dict(num_steps=1), True, marks=pytest.mark.slow),
         pytest.param(dict(num_steps=3), True, marks=pytest.mark.slow),
         pytest.param(dict(num_steps=4, topk=3, num_draft_tokens=10), True, marks=pytest.mark.slow),
@@ -51,6 +51,7 @@ def test_coupled_tokens_do_not_depend_on_the_draft(peaky, plain, draft, wrong):
         assert out.stats["accepted"][0] > 0.5 * out.stats["reached"][0], "the oracle's drafts must be accepted"
 
 
+@pytest.mark.slow  # ~25 s; the server's n = 3 against n = 1 runs in test_seeded_server's default test
 def test_each_row_is_its_seed_alone(peaky, plain):
     """Row j of a batch samples what the same prompt alone does with seed derive_seed(seed, j) (row 0: the seed);
     rejection sampling's tokens differ from coupled ones (the modes are not the same draws)."""
@@ -72,9 +73,9 @@ def test_greedy_is_greedy_either_way(target, drafter):
 
 
 def test_coupled_sampling_follows_the_target(peaky):
-    """Chi-square over (first, second) tokens of 20,000 rows (each its own seed): the first from the prefill, the
+    """Chi-square over (first, second) tokens of 8,000 rows (each its own seed): the first from the prefill, the
     second from a verify whose draft (the target's greedy token, proposed with the row's noise) is often accepted."""
-    target, prompt, n = peaky, [17, 4, 99], 20_000
+    target, prompt, n = peaky, [17, 4, 99], 8_000
     table = np.zeros((n, 32), np.int32)
     table[:, :7] = prompt + generate(target, None, [prompt], max_new_tokens=4, num_steps=0).tokens[0]
     out = generate(target, OracleDrafter(target, table), [prompt] * n, max_new_tokens=2, num_steps=2, seed=3,

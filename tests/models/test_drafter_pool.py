@@ -74,7 +74,7 @@ def test_the_drafter_reads_and_writes_its_pool_in_place_row_by_row(target, kind)
             np.testing.assert_allclose(row[:live], want[b, :live], rtol=1e-5, atol=1e-5)  # the new entries included
 
 
-@pytest.mark.parametrize("kind", ["llama", "mla"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("mla", marks=pytest.mark.slow)])  # mla: ~10 s, -m slow
 def test_a_tree_step_reads_the_pool_in_place(target, kind):
     """A draft tree's step over K nodes per row: each row's cached entries below its prefix, read from its own blocks
     (none past them: those are NaN), and the nodes' scratch entries give what the dense cache gives."""
