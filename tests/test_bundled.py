@@ -38,6 +38,7 @@ def test_pair_loads_with_int4_experts_and_held_out_prompts(pair):
     assert len(bundled.prompts()) >= 8
 
 
+@pytest.mark.slow  # test budget (the default suite reached 31 minutes): ~13 s; test_cli runs the pair against plain
 def test_speculative_equals_plain_and_accepts_most_drafts(pair):
     """Greedy speculative decoding is lossless, and a trained drafter gets most of its drafts accepted (an
     untrained one accepts ~none: mean accepted length ~1)."""

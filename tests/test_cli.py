@@ -47,6 +47,7 @@ def test_unknown_collective_preset():
         main(["--collective-preset", "fast", "predict"])
 
 
+@pytest.mark.slow  # test budget (the default suite reached 31 minutes): ~20 s; trees: tests/decoding
 def test_generate_tree_with_ids_and_stats(capsys):
     argv = ["generate", "--preset", "tiny", "--ids", "--prompt", "1,2,3", "--prompt", "7,8", "--topk", "2"]
     assert main([*argv, "--num-steps", "2", "--num-draft-tokens", "4", "--max-new-tokens", "6", "--stats"]) == 0

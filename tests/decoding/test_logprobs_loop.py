@@ -41,7 +41,14 @@ def plain(target):
     return decode(target, None, DraftShape(0))
 
 
-@pytest.mark.parametrize("draft", [DraftShape(3), DraftShape(3, topk=2, num_draft_tokens=6)], ids=["chain", "tree"])
+# the chain with -m slow (~16 s, test budget: serving's logprobs test runs a chain)
+@pytest.mark.parametrize(
+    "draft",
+    [
+        pytest.param(DraftShape(3), marks=pytest.mark.slow, id="chain"),
+        pytest.param(DraftShape(3, topk=2, num_draft_tokens=6), id="tree"),
+    ],
+)
 def test_greedy_speculative_logprobs_equal_plain_and_one_full_forward(target, drafter, plain, draft):
     tokens, end, token_lp, top_ids = decode(target, drafter, draft)
     want_tokens, want_end, want_lp, want_ids = plain

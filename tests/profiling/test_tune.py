@@ -92,6 +92,7 @@ def test_tune_one_device(target, tmp_path, ks):
     assert table.splitlines()[0] == " | ".join(TABLE_COLUMNS) and "recommended k" in table
 
 
+@pytest.mark.slow  # test budget (the default suite reached 31 minutes): ~23 s
 def test_tune_sweeps_trees_next_to_chains(target, tmp_path):
     """Trees in the sweep: each row's cycle is its own measured phases (whole tree draft, verify of its nodes under
     the mask, draft-extend over its deepest path, its bookkeeping), E comes from its own counters, and the
@@ -177,6 +178,7 @@ def test_steady_chunks_skip_prefill_finished_prompts_and_phase_timing():
     assert steady_chunks(marks[:1]) == [] and steady_chunks([]) == []
 
 
+@pytest.mark.slow  # test budget (the default suite reached 31 minutes): ~20 s
 def test_phase_set_per_depth(target):
     timer = PhaseTimer(target, random_drafter(target), batch=2, cache_len=64, context=16, inner=1)
     assert set(time_phases_of(timer, DraftShape(0))) == {"decode", "other"}

@@ -168,6 +168,7 @@ def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(
     assert all(r.finish_reason in ("stop", "length") for r in requests)
 
 
+@pytest.mark.slow  # test budget (the default suite reached 31 minutes): ~19 s
 def test_programs_do_not_copy_the_kept_target_states(engine):
     """The target states plain cycles keep (`aux_BSI`, [B, S, 3 x hidden]: 352 MB for Kimi at 8 slots x 1024
     positions) stay in place: a chain segment's program, which only reads them after prefill chunks that do not

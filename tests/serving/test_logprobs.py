@@ -100,6 +100,7 @@ def test_min_tokens_masks_stop_ids_and_greedy_speculative_equals_plain(engines, 
     assert top_ids[0] == stop[0] and got.tokens[k] == top_ids[1]
 
 
+@pytest.mark.slow  # test budget (the default suite reached 31 minutes): ~21 s; test_logprobs_loop keeps trees
 def test_tree_logprobs_equal_one_full_forward(pair, prompts):
     """A tree draft's scores come from the verify logits of the accepted path's nodes (the engine of
     test_engine_tree, whose programs compile once per session): a greedy and a sampled request."""

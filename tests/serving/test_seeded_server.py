@@ -15,6 +15,9 @@ from tests.serving.support import running_server
 
 MODEL = "kimi-py-tiny"
 TOKENS = 20
+# -m slow (a server of its own: ~65 s; test budget). The default suite checks the same property on the engine under
+# scripted draft shapes (test_adaptive, test_engine_tree, test_engine_pool).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

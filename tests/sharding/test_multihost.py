@@ -103,6 +103,7 @@ def runs(tmp_path_factory):
     return tokens, lost
 
 
+@pytest.mark.slow  # the 2-process runs (~120 s; test budget): test_multihost_serve keeps 2 processes by default
 @pytest.mark.parametrize("case", [f"{m}/{c}" for m in MESHES for c in CASES])
 def test_two_processes_give_the_single_process_tokens(runs, case):
     tokens, _ = runs
@@ -111,12 +112,14 @@ def test_two_processes_give_the_single_process_tokens(runs, case):
     assert all(len(t) > 0 for t in tokens["single_0"][case])
 
 
+@pytest.mark.slow  # the 2-process runs (~120 s; test budget): test_multihost_serve keeps 2 processes by default
 def test_orbax_restore_gives_the_hf_load_tokens(runs):
     tokens, _ = runs
     assert tokens["pair_0"]["1x8/orbax-chain"] == tokens["pair_1"]["1x8/orbax-chain"], "the two processes disagree"
     assert tokens["pair_0"]["1x8/orbax-chain"] == tokens["single_0"]["1x8/chain"]
 
 
+@pytest.mark.slow  # the 2-process runs (~120 s; test budget): test_multihost_serve keeps 2 processes by default
 @pytest.mark.parametrize("victim", [1, 0])
 def test_kill_9_ends_the_other_process_within_2_minutes(runs, victim):
     _, lost = runs
