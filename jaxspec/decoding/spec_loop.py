@@ -78,7 +78,7 @@ class SpecLoop:
         None), for the serving engine: every other row keeps its state. The row must be admitted (`LoopState.admit`)
         and done (so cycles skip it) while its chunks run in order; the chunk holding its last prompt position sets
         its first token and draft, and makes it active unless that token ends it. `feed` (a traced bool; None:
-        True): the drafter runs over the chunk; else over the prompt's last position only (`_prompt_draft`)."""
+        True): the drafter runs over the chunk; else over the prompt's last position only (`_prompt_extend`)."""
         self.traces += 1
         row = self._prefill_chunk(cfg, tparams, dparams, state.window(1, start=slot), start, feed)
         last_chunk = row.prompt_len_B - 1 < start + cfg.prefill_chunk
@@ -119,14 +119,16 @@ class SpecLoop:
         s = write_logprobs(cfg, s, out, next_BT, jnp.full((B,), start), jnp.ones((B,), bool))
         if not self._uses_drafter(cfg):
             return s
-        aux_BTI = concat_captured(captured)
+        chunk = next_BT, concat_captured(captured), pos_BT, row_B
         if cfg.tree:  # the next root's logits: the first cycle expands its top-k
-            dq_BV, h2_BD, dcache = extend_logits(self.drafter, dparams, next_BT, aux_BTI, pos_BT, s.draft_cache, row_B)
+            extend = lambda *x: extend_logits(self.drafter, dparams, *x)
+            dq_BV, h2_BD, dcache = _prompt_extend(extend, s.draft_cache, chunk, feed, in_chunk_B)
             d_B = s.draft_B
         else:
-            chunk = next_BT, aux_BTI, pos_BT, row_B
-            d_B, dq_BV, h2_BD, dcache = self._prompt_draft(dparams, s.draft_cache, chunk, k2, (sampling, cfg, s), feed)
-        if s.drafted_B is not None:  # the drafter has run over the prompt (or is not fed it: `_prompt_draft`)
+            c = _coupling(cfg, s)
+            extend = lambda *x: draft_extend(self.drafter, dparams, *x, k2, sampling, c)
+            d_B, dq_BV, h2_BD, dcache = _prompt_extend(extend, s.draft_cache, chunk, feed, in_chunk_B)
+        if s.drafted_B is not None:  # the drafter has run over the prompt (or is not fed it: `_prompt_extend`)
             s = s.replace(drafted_B=jnp.where(in_chunk_B, prompt_len_B, s.drafted_B))
         return s.replace(
             draft_cache=dcache,
@@ -134,26 +136,6 @@ class SpecLoop:
             draft_q_BV=jnp.where(in_chunk_B[:, None], dq_BV, s.draft_q_BV),
             hidden_BD=jnp.where(in_chunk_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
         )
-
-    def _prompt_draft(self, dparams, cache, chunk, key, how, feed):
-        """The drafter over a prefill chunk (tokens, target states, positions [B, T, ..], each row's last prompt
-        position in it): its draft-extend over every position, or with `feed` False (adaptive serving admits rows
-        that way where speculation does not pay) over each row's last prompt position alone. That is all the first
-        draft needs: the draft and its distribution q come from the drafter as they always do (so speculative
-        sampling stays lossless: it is for any q a draft is drawn from); only the drafter's cache below the
-        prompt's end holds no entries of this prompt, which costs acceptance, never correctness, if chains run on
-        the row later. A chunk without the row's last position writes one entry of no use (the row's own, past any
-        cached prefix: a prompt's registered blocks end before its last position). `how`: (sampling, cfg, state)."""
-        tokens_BT, aux_BTI, pos_BT, row_B = chunk
-        sampling, cfg, s = how
-        c = _coupling(cfg, s)
-        whole = lambda: draft_extend(self.drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling, c)
-        if feed is None:
-            return whole()
-        at = lambda x: jnp.take_along_axis(x, row_B.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)
-        last = (at(tokens_BT), at(aux_BTI), at(pos_BT))
-        alone = lambda: draft_extend(self.drafter, dparams, *last, cache, jnp.zeros_like(row_B), key, sampling, c)
-        return jax.lax.cond(feed, whole, alone)
 
     # ------------------------------------------------------------------ the cycle loop
     def _run_impl(self, cfg: LoopConfig, tparams, dparams, state: LoopState, max_cycles):
@@ -413,6 +395,30 @@ def draft_step(drafter: Drafter, dparams, token_B, hidden_BD, pos_BT, cache, key
     logits, h2, cache = drafter.apply(dparams, token_B[:, None], hidden_BD[:, None], pos_BT, cache, first_step=False)
     token_B, q_BV = choose_draft(drafter, key, logits[:, 0], sampling, coupling, pos_BT[:, 0] + 2)
     return token_B, q_BV, replicate(h2, drafter.target.mesh)[:, 0], cache
+
+
+def _prompt_extend(extend, cache, chunk, feed, in_chunk_B):
+    """The drafter's `extend(tokens, aux, pos, cache, row) -> (..., cache)` over a prefill chunk (tokens, target
+    states, positions [B, T, ..], each row's last prompt position in it): over every position, or with `feed` False
+    (adaptive serving admits rows that way where speculation does not pay) over each row's last prompt position
+    alone, and not at all in a chunk that does not hold it (`in_chunk_B`: its outputs are then not used). That is
+    all the first draft needs: the draft and its distribution q come from the drafter as they always do (so
+    speculative sampling stays lossless: it is for any q a draft is drawn from); only the drafter's cache below the
+    prompt's end holds no entries of this prompt, which costs acceptance, never correctness, if chains run on the
+    row later. `feed` None: every position (a fixed shape always feeds the drafter)."""
+    tokens_BT, aux_BTI, pos_BT, row_B = chunk
+    whole = lambda: extend(tokens_BT, aux_BTI, pos_BT, cache, row_B)
+    if feed is None:
+        return whole()
+    at = lambda x: jnp.take_along_axis(x, row_B.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)
+    alone = lambda: extend(at(tokens_BT), at(aux_BTI), at(pos_BT), cache, jnp.zeros_like(row_B))
+
+    def unused():  # the outputs' types as `alone`'s (a block table can come back typed as sharded over the rows)
+        *outs, written = jax.eval_shape(alone)
+        zeros = (jnp.zeros(x.shape, x.dtype, out_sharding=x.sharding) for x in outs)
+        return (*zeros, jax.tree.map(lambda x, t: jax.sharding.reshard(x, t.sharding), cache, written))
+
+    return jax.lax.cond(feed, whole, lambda: jax.lax.cond(jnp.any(in_chunk_B), alone, unused))
 
 
 def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling, coupling=None):

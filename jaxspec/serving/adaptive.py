@@ -63,7 +63,9 @@ EXPLORE_SHARE = 0.02  # time share re-measuring a candidate predicted as fast as
 FEED = 1.0  # rows are fed the drafter at prefill when some chain is predicted at this fraction of plain's or more
 # (1: where a chain is predicted to win; the drafter's prefill is about a quarter of a long prompt's, which a near
 # tie does not repay)
-FEED_EVERY = 8  # ... and then every FEED_EVERY-th admission all the same
+FEED_EVERY = 16  # ... and then every FEED_EVERY-th admission all the same (a fed prompt's prefill costs about
+# 1.25x an unfed one's on the bundled pair, so this costs ~1.5% of prefill where no chain pays: under the 2% share
+# that exploring takes; a drafter of 1 layer beside a 61-layer target makes it nothing)
 PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
 CONTEXT_RANGE = 256  # the first context range's longest live length; each next range is 4x longer
 

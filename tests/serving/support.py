@@ -259,8 +259,9 @@ class Scripted:
     feed = True
 
 
-def run(engine, requests, script):
+def run(engine, requests, script, feed=True):
     engine.scheduler.policy = Scripted(script)
+    engine.scheduler.policy.feed = feed
     for r in requests:
         engine.submit(r)
     drafts = []

@@ -138,9 +138,10 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
 
 def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(engine, prompts, reference):
     """Rows admitted where speculation does not pay (`DraftPolicy.feeds_drafter` False) run the drafter over their
-    prompt's last position only: its cache at the prompt's first position keeps what the pool held there, the first
-    draft and its distribution q come from the drafter (the draft has positive mass under q: lossless speculative
-    sampling needs nothing more), and chains on such rows give the greedy reference, alone and next to a fed row."""
+    prompt's last position only: its cache below that position keeps what the pool held there (no chunk writes it),
+    the first draft and its distribution q come from the drafter (the draft has positive mass under q: lossless
+    speculative sampling needs nothing more), and chains on such rows give the greedy reference, alone and next to a
+    fed row."""
     requests = [Request(prompts[5], 14), Request(prompts[6], 10, RowSpec(Sampling(0.8), seed=4))]
     expected = reference(requests[0].prompt, 14)
     engine.scheduler.policy = Scripted((CHAIN, PLAIN))
@@ -157,9 +158,12 @@ def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(
         assert n <= int(state.drafted_B[row]) <= int(state.length_B[row])  # the drafter is at the prompt's end or on
         q = np.asarray(state.draft_q_BV[row])
         assert q.sum() == pytest.approx(1.0, abs=1e-4) and q[int(state.draft_B[row])] > 0
-        first = int(x.tables[row, 0])  # the block of the prompt's first position
+        block = CONFIG.block  # no chunk writes the drafter's cache below the prompt's last position
+        below = [(int(x.tables[row, p // block]), p % block) for p in range(n - 1)]
         for now, then in zip(jax.tree.leaves(x.pool.drafter), jax.tree.leaves(before), strict=True):
-            np.testing.assert_array_equal(np.asarray(now[first, 0]), then[first, 0])
+            now = np.asarray(now)
+            for b, i in below:
+                np.testing.assert_array_equal(now[b, i], then[b, i])
     engine.scheduler.policy.feed = True
     fed = Request(prompts[0], 12)
     engine.submit(fed)

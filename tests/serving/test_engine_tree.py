@@ -77,6 +77,9 @@ def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair,
         drafts = run(engine, greedy, script)
         assert {plain, tree} <= set(drafts)
         assert [r.tokens for r in greedy] == [reference(r.prompt, r.max_tokens) for r in greedy]
+    unfed = [Request(prompts[5], 14), Request(prompts[1], 12)]  # the drafter prefilled over the last position only
+    run(engine, unfed, (tree, plain), feed=False)
+    assert [r.tokens for r in unfed] == [reference(r.prompt, r.max_tokens) for r in unfed]
     sampled = [Request(prompts[3], 12, RowSpec(Sampling(0.9, top_k=40), seed=5)) for _ in range(2)]
     for r in sampled:
         run(engine, [r], (tree, plain))
