@@ -153,9 +153,11 @@ class KimiModel(nnx.Module):
         with jax.named_scope("embed"):
             x_BTD = embed_lookup(self.embed[...], tokens_BT, self.axis)
         cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
-        capture_X = jnp.asarray(tuple(capture) or (-1,), jnp.int32)
-        # zeros_like keeps x's manual-axis variance (it varies over "data"), as the scan carry requires.
-        captured_XBTD = jnp.repeat(jnp.zeros_like(x_BTD)[None], len(capture_X), axis=0)
+        # Captured states go to their slot, every other layer's to a last slot dropped at the end: one in-place write
+        # of [B, T, D] per layer (a select over every slot per layer read and wrote X times that). zeros_like keeps
+        # x's manual-axis variance (it varies over "data"), as the scan carry requires. No capture: no carry.
+        capture_X = jnp.asarray(capture, jnp.int32)
+        captured_XBTD = jnp.repeat(jnp.zeros_like(x_BTD)[None], len(capture) + 1, axis=0) if capture else None
 
         carry = (x_BTD, cache_LBSY, captured_XBTD)
         first = 0
@@ -176,7 +178,10 @@ class KimiModel(nnx.Module):
                 # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,Y] here
                 # would copy the full buffer every layer, however short the live prefix.
                 x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block, tree_mask_BTS, stripes)
-                captured = jnp.where((capture_X == layer_id)[:, None, None, None], x[None], captured)
+                if captured is not None:
+                    hit_X = capture_X == layer_id
+                    slot = jnp.where(jnp.any(hit_X), jnp.argmax(hit_X), len(capture))
+                    captured = jax.lax.dynamic_update_index_in_dim(captured, x, slot, 0)
                 return (x, cache, captured), None
 
             carry, _ = jax.lax.scan(body, carry, (params, first + jnp.arange(n, dtype=jnp.int32)))
@@ -185,7 +190,8 @@ class KimiModel(nnx.Module):
         with jax.named_scope("head"):
             h_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps)
             logits_BTV = quant.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...])
-        return logits_BTV, cache_LBSY, captured_XBTD[: len(capture)]
+        captured_XBTD = captured_XBTD[: len(capture)] if capture else jnp.zeros_like(x_BTD)[None][:0]
+        return logits_BTV, cache_LBSY, captured_XBTD
 
 
 def _is_var(x) -> bool:
