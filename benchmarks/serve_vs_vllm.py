@@ -225,7 +225,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="serve_vs_vllm-"))).absolute()
     args.vllm_given, args.vllm_python = args.vllm_python, os.path.abspath(args.vllm_python)  # the venv's link
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops both servers
+    # So that `finally` stops both servers on Ctrl-C (even where a shell started this with SIGINT ignored) or SIGTERM.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from jaxspec.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(TARGET)
