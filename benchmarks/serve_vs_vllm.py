@@ -393,12 +393,18 @@ def markdown(record: dict) -> str:
         "other processes; jaxspec's XLA uses every core.",
         "",
         "Texts: each request's greedy text of round 0 on the two servers (jaxspec computes in float32, its CPU "
-        "default; vLLM in its --dtype). Where they differ, the tokens they share first (jaxspec's text re-encoded): "
-        + "; ".join(
-            f"c={t['concurrency']}: " + ", ".join(str(d["common_tokens"]) for d in t["agreement"]["differing"])
-            for t in record["table"]
-        )
-        + ".",
+        "default; vLLM in its --dtype). "
+        + (
+            "Where they differ, the tokens they share first (jaxspec's text re-encoded): "
+            + "; ".join(
+                f"c={t['concurrency']}: " + ", ".join(str(d["common_tokens"]) for d in t["agreement"]["differing"])
+                for t in record["table"]
+                if t["agreement"]["differing"]
+            )
+            + "."
+            if any(t["agreement"]["differing"] for t in record["table"])
+            else "Every text agrees."
+        ),
         "",
         "Servers:",
         "",
