@@ -153,9 +153,6 @@ class KimiModel(nnx.Module):
         with jax.named_scope("embed"):
             x_BTD = embed_lookup(self.embed[...], tokens_BT, self.axis)
         cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
-        # Captured states go to their slot, every other layer's to a last slot dropped at the end: one in-place write
-        # of [B, T, D] per layer (a select over every slot per layer read and wrote X times that). zeros_like keeps
-        # x's manual-axis variance (it varies over "data"), as the scan carry requires. No capture: no carry.
         capture_X = jnp.asarray(capture, jnp.int32)
         captured_XBTD = jnp.repeat(jnp.zeros_like(x_BTD)[None], len(capture) + 1, axis=0) if capture else None
 
@@ -178,10 +175,7 @@ class KimiModel(nnx.Module):
                 # The whole stacked cache goes in (and comes out updated): slicing out one layer's [B,S,Y] here
                 # would copy the full buffer every layer, however short the live prefix.
                 x, cache = layer(x, cos_sin, pos_BT, cache, layer_id, impl, kv_block, tree_mask_BTS, stripes)
-                if captured is not None:
-                    hit_X = capture_X == layer_id
-                    slot = jnp.where(jnp.any(hit_X), jnp.argmax(hit_X), len(capture))
-                    captured = jax.lax.dynamic_update_index_in_dim(captured, x, slot, 0)
+                captured = _captured(captured, x, capture_X, layer_id)
                 return (x, cache, captured), None
 
             carry, _ = jax.lax.scan(body, carry, (params, first + jnp.arange(n, dtype=jnp.int32)))
@@ -192,6 +186,18 @@ class KimiModel(nnx.Module):
             logits_BTV = quant.einsum("BTD,DV->BTV", h_BTD, self.lm_head[...])
         captured_XBTD = captured_XBTD[: len(capture)] if capture else jnp.zeros_like(x_BTD)[None][:0]
         return logits_BTV, cache_LBSY, captured_XBTD
+
+
+def _captured(captured_XBTD: jax.Array | None, x_BTD: jax.Array, capture_X: jax.Array, layer_id) -> jax.Array | None:
+    """The capture carry after layer `layer_id` output `x_BTD`: a layer in `capture_X` goes to its slot, any other to
+    the last slot, which the forward drops (one in-place write of [B, T, D] per layer; a select over every slot read
+    and wrote X times that per layer). The carry is zeros_like(x) at first, which keeps x's manual-axis variance (it
+    varies over "data"), as the scan carry requires; None without capture."""
+    if captured_XBTD is None:
+        return None
+    hit_X = capture_X == layer_id
+    slot = jnp.where(jnp.any(hit_X), jnp.argmax(hit_X), capture_X.shape[0])
+    return jax.lax.dynamic_update_index_in_dim(captured_XBTD, x_BTD, slot, 0)
 
 
 def _is_var(x) -> bool:
