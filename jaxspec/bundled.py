@@ -33,17 +33,23 @@ def prompts() -> list[str]:
     return json.loads(path.read_text())["held_out"]
 
 
-def load_pair(mesh=None, dtype=None):
+def load_pair(mesh=None, dtype=None, int4_experts: str = "auto"):
     """(target, drafter, tokenizer) of the bundled pair on `mesh` (default: one device).
 
     dtype defaults to float32: the weights are bf16 on disk, and CPUs compute float32 faster than bfloat16.
+    `int4_experts` as `jaxspec serve --int4-experts` takes it: "packed" (4-bit, dequantised in each step), "dense"
+    (dequantised at load), "auto" (dense on CPU, which has no 4-bit kernels, else packed).
     """
     import jax.numpy as jnp
 
     from jaxspec.io import load_drafter, load_target
+    from jaxspec.io.load import int4_experts as dense_experts
     from jaxspec.tokenizer import load_tokenizer
+    from sharding.mesh import single_device_mesh
 
     dtype = jnp.float32 if dtype is None else dtype
+    mesh = mesh or single_device_mesh()
     target_dir, drafter_dir = paths()
-    target = load_target(target_dir, mesh=mesh, dtype=dtype)
+    dense, _ = dense_experts(int4_experts, target_dir, mesh.devices.flat[0].platform, dtype)
+    target = load_target(target_dir, mesh=mesh, dtype=dtype, dequantize_int4=dense)
     return target, load_drafter(drafter_dir, target, dtype=dtype), load_tokenizer(target_dir)

@@ -21,6 +21,7 @@ LATENT_NORM_EPS = 1e-6
 # How the target's latent KV cache is stored: "auto" in the compute dtype, "fp8" as float8_e4m3fn with a float32
 # scale per token (jaxspec/models/mla.py, "FP8 cache").
 KV_CACHE_DTYPES = ("auto", "fp8")
+INT4_EXPERTS = ("auto", "packed", "dense")  # how an INT4 checkpoint's routed experts are held (io/load.py)
 
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 MULTIMODAL_MODEL_TYPES = ("kimi_k25", "kimi_vl")

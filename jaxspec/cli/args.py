@@ -72,6 +72,32 @@ def add_target_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None
             "(4-7)",
         )
     add_dtype_arg(p)
+    add_int4_experts_arg(p)
+
+
+def add_int4_experts_arg(p: argparse.ArgumentParser) -> None:
+    """--int4-experts: how an INT4 checkpoint's routed experts are held (`int4_experts`)."""
+    from jaxspec.config import INT4_EXPERTS
+
+    p.add_argument(
+        "--int4-experts",
+        default="auto",
+        choices=INT4_EXPERTS,
+        help="routed experts of an INT4 checkpoint: packed = 4-bit on the devices, dequantised in each step; dense = "
+        "dequantised once at load to the compute dtype (8x the bytes at float32); auto = dense on CPU, which has no "
+        "4-bit kernels, where they take under a quarter of this host's memory, else packed (default: %(default)s)",
+    )
+
+
+def int4_experts(requested: str, model: str | Path | None, platform: str, dtype: Any, command: str) -> tuple[bool, str]:
+    """`jaxspec.io.load.int4_experts` for --int4-experts: (load the routed experts dense, why); refusals name the
+    flag."""
+    from jaxspec.io.load import int4_experts as decide
+
+    try:
+        return decide(requested, model, platform, dtype)
+    except ValueError as e:
+        raise UsageError(command, f"--int4-experts: {e}") from None
 
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -331,8 +357,10 @@ def _build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = No
         if abstract:
             cfg = KimiConfig.from_pretrained(args.model)
             return Target.abstract(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model
-        dtype, _ = default_dtype(args.dtype, args.model, mesh.devices.flat[0].platform)  # a checkpoint run here
-        return load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model
+        platform = mesh.devices.flat[0].platform
+        dtype, _ = default_dtype(args.dtype, args.model, platform)  # a checkpoint run here
+        dense, _ = int4_experts(getattr(args, "int4_experts", "auto"), args.model, platform, dtype, args.command)
+        return load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=kv, dequantize_int4=dense), args.model
     name = args.preset or "tiny"
     cfg = KimiConfig.preset(name)
     if abstract:

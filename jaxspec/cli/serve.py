@@ -13,6 +13,7 @@ from jaxspec.cli.args import (
     add_dcp_arg,
     add_drafter_arg,
     add_dtype_arg,
+    add_int4_experts_arg,
     add_kv_cache_dtype_arg,
     add_mesh_arg,
     add_model_arg,
@@ -20,6 +21,7 @@ from jaxspec.cli.args import (
     add_tree_args,
     default_dtype,
     draft_shape,
+    int4_experts,
     recommended_shape,
     striped,
     use_bundled_pair,
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_mesh_arg(p, "mesh shape 1xMODEL (default: one device)")
     add_dtype_arg(p, help=DTYPE_DEFAULT_HELP)
+    add_int4_experts_arg(p)
     add_kv_cache_dtype_arg(p)
     add_dcp_arg(p)
     add_access_args(p)
@@ -231,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
     import uvicorn
 
-    from jaxspec.io import load_drafter, load_target
+    from jaxspec.io import load_drafter
     from jaxspec.serving.app import create_app
     from jaxspec.serving.engine import Engine
     from jaxspec.serving.metrics import Metrics
@@ -251,9 +254,8 @@ def run(args: argparse.Namespace) -> int:
     if num_steps and not args.drafter:
         raise SystemExit("jaxspec serve: --num-steps > 0 needs --drafter (or --num-steps 0)")
     config = _engine_config(args, num_steps, adaptive)
-    mesh, dtype = _mesh_and_dtype(args, config)
-    target = striped(args, load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype))
-    drafter = load_drafter(args.drafter, target, dtype=dtype) if num_steps else None
+    target = _load_target(args, config)
+    drafter = load_drafter(args.drafter, target, dtype=target.dtype) if num_steps else None
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     channel = None
     if jax.process_count() > 1:  # one server over several processes: process 0 decides, the others follow
@@ -288,11 +290,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mesh_and_dtype(args: argparse.Namespace, config):
-    """(the mesh of --mesh, None: one device; the compute dtype, logged), after refusing, before anything loads, a
-    configuration whose programs this process cannot hold (startup.py)."""
+def _load_target(args: argparse.Namespace, config):
+    """The target on the mesh of --mesh (default: one device), in the compute dtype, its INT4 experts packed or dense
+    (both logged), its cache striped as --dcp asks; after refusing, before anything loads, a configuration whose
+    programs this process cannot hold (startup.py)."""
     import jax
 
+    from jaxspec.io import load_target
     from jaxspec.serving.startup import MapBudget, Programs, StartupError
     from sharding.mesh import make_mesh
 
@@ -305,8 +309,10 @@ def _mesh_and_dtype(args: argparse.Namespace, config):
     except StartupError as e:
         raise SystemExit(f"jaxspec serve: {e}") from None
     dtype, why = default_dtype(args.dtype, args.model, platform)
-    log.info("loading %s (%s: %s)", args.model, dtype.name, why)
-    return mesh, dtype
+    dense, experts = int4_experts(args.int4_experts, args.model, platform, dtype, "serve")
+    log.info("loading %s (%s: %s; routed experts: %s)", args.model, dtype.name, why, experts)
+    kv = args.kv_cache_dtype
+    return striped(args, load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=kv, dequantize_int4=dense))
 
 
 def _follow(target, drafter, config, stop_ids: tuple[int, ...], channel) -> int:
