@@ -135,3 +135,30 @@ def test_generate_without_flags_runs_the_bundled_pair_and_reports_the_speedup(ca
     out = capsys.readouterr().out
     assert "held-out prompt" in out and "mean accepted length" in out
     assert re.search(r"speedup \d+\.\d\dx", out), out
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in load_target: what it was asked for, before anything loads."""
+
+
+def test_int4_experts_reaches_load_target_for_generate_and_serve(monkeypatch):
+    """--int4-experts (generate and serve): auto loads the bundled pair's INT4 experts dense on this CPU, packed keeps
+    them 4-bit; an unknown value is refused by argparse, naming the flag."""
+    import jaxspec
+    import jaxspec.io
+
+    def load_target(path, **kw):
+        raise _Loaded(kw["dequantize_int4"])
+
+    monkeypatch.setattr(jaxspec, "load_target", load_target)
+    monkeypatch.setattr(jaxspec.io, "load_target", load_target)
+    from jaxspec import bundled
+
+    generate = ["generate", "--model", str(bundled.paths()[0]), "--num-steps", "0", "--prompt", "x"]
+    for flags, dense in (([], True), (["--int4-experts", "packed"], False), (["--int4-experts", "dense"], True)):
+        for command in (generate, ["serve", "--num-steps", "0"]):
+            with pytest.raises(_Loaded) as loaded:
+                main(command + flags)
+            assert loaded.value.args == (dense,), (command, flags)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--int4-experts", "int8"])
