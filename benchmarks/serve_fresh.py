@@ -37,6 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_fresh.json")
+    p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
     prompt_sets.add_arguments(p, count=16, max_tokens=128)  # + --max-tokens: inside the 256 positions of a slot
     args = p.parse_args()
     from jaxspec import bundled
@@ -44,7 +45,7 @@ def main() -> None:
     from jaxspec.decoding import DraftShape
     from jaxspec.serving.engine import Engine, EngineConfig
 
-    target, drafter, tokenizer = bundled.load_pair()
+    target, drafter, tokenizer = bundled.load_pair(int4_experts=args.int4_experts)
     prompt_set = prompt_sets.from_args(args, tokenizer)
     prompts = prompt_set.ids
     tune = ROOT / "benchmarks" / "results" / "tune_bundled" / "tune.json"
@@ -74,7 +75,8 @@ def main() -> None:
             results[f"{case} c={c}"] = {"tok_s": rates, "auto_over_better": rates["auto"] / better}
             print(case, c, json.dumps(results[f"{case} c={c}"]), flush=True)
     record = {
-        "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens} {prompt_sets.flags(args)}",
+        "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens} "
+        f"--int4-experts {args.int4_experts} {prompt_sets.flags(args)}",
         **prompt_set.describe(),
         "output_loops": loops,  # recorded, not refused: every engine serves the same tokens
         "cpus": os.cpu_count(),

@@ -51,12 +51,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_k0_tax.json")
+    p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
     args = p.parse_args()
     from jaxspec import bundled
     from jaxspec.decoding import DraftShape
     from jaxspec.serving.engine import Engine, EngineConfig
 
-    target, drafter, tokenizer = bundled.load_pair()
+    target, drafter, tokenizer = bundled.load_pair(int4_experts=args.int4_experts)
     prompts = [tokenizer.encode(p)[:128] for p in bundled.prompts()]
     config = EngineConfig(max_batch=8, max_context=256, draft=DraftShape(0), batch_buckets=(1, 8))
     engines = {
@@ -89,7 +90,7 @@ def main() -> None:
         print(c, json.dumps(results[f"c={c}"]), flush=True)
     record = {
         "command": f"python benchmarks/serve_k0_tax.py --max-tokens {args.max_tokens} --requests {args.requests} "
-        f"--rounds {args.rounds}",
+        f"--rounds {args.rounds} --int4-experts {args.int4_experts}",
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "results": results,
