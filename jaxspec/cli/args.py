@@ -92,12 +92,15 @@ def add_int4_experts_arg(p: argparse.ArgumentParser) -> None:
 def int4_experts(requested: str, model: str | Path | None, platform: str, dtype: Any, command: str) -> tuple[bool, str]:
     """`jaxspec.io.load.int4_experts` for --int4-experts: (load the routed experts dense, why); refusals name the
     flag."""
+    from jaxspec.config import ConfigError
     from jaxspec.io.load import int4_experts as decide
 
     try:
         return decide(requested, model, platform, dtype)
+    except ConfigError:
+        raise  # the checkpoint's own config: reported as any command reports it
     except ValueError as e:
-        raise UsageError(command, f"--int4-experts: {e}") from None
+        raise UsageError(command, f"--int4-experts: {str(e).removeprefix('int4_experts: ')}") from None
 
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
