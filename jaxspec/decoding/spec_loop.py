@@ -418,7 +418,8 @@ def _prompt_extend(extend, cache, chunk, feed, in_chunk_B):
         zeros = (jnp.zeros(x.shape, x.dtype, out_sharding=x.sharding) for x in outs)
         return (*zeros, jax.tree.map(lambda x, t: jax.sharding.reshard(x, t.sharding), cache, written))
 
-    return jax.lax.cond(feed, whole, lambda: jax.lax.cond(jnp.any(in_chunk_B), alone, unused))
+    branch = jnp.where(feed, 2, jnp.where(jnp.any(in_chunk_B), 1, 0))
+    return jax.lax.switch(branch, (unused, alone, whole))
 
 
 def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling, coupling=None):
