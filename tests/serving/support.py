@@ -259,6 +259,26 @@ class Scripted:
     feed = True
 
 
+def assert_drafter_cache_kept(executor, before, row: int, upto: int, block: int) -> None:
+    """The drafter's pool at row `row`'s positions [0, upto) holds what `before` (its leaves, as numpy) held."""
+    import jax
+    import numpy as np
+
+    below = [(int(executor.tables[row, p // block]), p % block) for p in range(upto)]
+    for now, then in zip(jax.tree.leaves(executor.pool.drafter), jax.tree.leaves(before), strict=True):
+        now = np.asarray(now)
+        for b, i in below:
+            np.testing.assert_array_equal(now[b, i], then[b, i])
+
+
+def prefill_all(engine, requests) -> None:
+    """Submit `requests` and step until every one is admitted and prefilled."""
+    for r in requests:
+        engine.submit(r)
+    while any(r.slot is None or engine.scheduler.slots[r.slot].next_chunk is not None for r in requests):
+        engine.step()
+
+
 def run(engine, requests, script, feed=True):
     engine.scheduler.policy = Scripted(script)
     engine.scheduler.policy.feed = feed

@@ -26,7 +26,7 @@ from jaxspec.serving.engine import Request
 from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import Counters, PrefillChunk, RowAdmission, RowBlocks, Segment, StepPlan
 from tests.serving.support import ENGINE as ENGINE_CONFIG
-from tests.serving.support import NUM_STEPS, Scripted, run, warm_engine
+from tests.serving.support import NUM_STEPS, Scripted, assert_drafter_cache_kept, prefill_all, run, warm_engine
 
 PLAIN, CHAIN = DraftShape(0), DraftShape(NUM_STEPS)
 # test_engine's shape (so its chain, admit and prefill programs compile once for both modules) with plain decoding as
@@ -148,22 +148,14 @@ def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(
     engine.scheduler.policy.feed = False
     x = engine.executor
     before = jax.tree.map(np.asarray, x.pool.drafter)
-    for r in requests:
-        engine.submit(r)
-    while any(r.slot is None or engine.scheduler.slots[r.slot].next_chunk is not None for r in requests):
-        engine.step()
+    prefill_all(engine, requests)
     state = x.state
     for r in requests:
         row, n = r.slot, len(r.prompt)
         assert n <= int(state.drafted_B[row]) <= int(state.length_B[row])  # the drafter is at the prompt's end or on
         q = np.asarray(state.draft_q_BV[row])
         assert q.sum() == pytest.approx(1.0, abs=1e-4) and q[int(state.draft_B[row])] > 0
-        block = CONFIG.block  # no chunk writes the drafter's cache below the prompt's last position
-        below = [(int(x.tables[row, p // block]), p % block) for p in range(n - 1)]
-        for now, then in zip(jax.tree.leaves(x.pool.drafter), jax.tree.leaves(before), strict=True):
-            now = np.asarray(now)
-            for b, i in below:
-                np.testing.assert_array_equal(now[b, i], then[b, i])
+        assert_drafter_cache_kept(x, before, row, n - 1, CONFIG.block)  # no chunk writes it below the last position
     engine.scheduler.policy.feed = True
     fed = Request(prompts[0], 12)
     engine.submit(fed)

@@ -5,6 +5,8 @@ between the static-greedy and the per-row program as sampled requests come and g
 
 import dataclasses
 
+import jax
+import numpy as np
 import pytest
 
 from jaxspec.decoding import DraftShape
@@ -12,7 +14,7 @@ from jaxspec.decoding.sampling import Sampling
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import EngineConfig, Request
 from tests.serving.support import TREE_ENGINE as CONFIG
-from tests.serving.support import run, warm_engine
+from tests.serving.support import Scripted, assert_drafter_cache_kept, prefill_all, run, warm_engine
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,13 @@ def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair,
         assert {plain, tree} <= set(drafts)
         assert [r.tokens for r in greedy] == [reference(r.prompt, r.max_tokens) for r in greedy]
     unfed = [Request(prompts[5], 14), Request(prompts[1], 12)]  # the drafter prefilled over the last position only
-    run(engine, unfed, (tree, plain), feed=False)
+    before = jax.tree.map(np.asarray, engine.executor.pool.drafter)
+    engine.scheduler.policy = Scripted((tree, plain))
+    engine.scheduler.policy.feed = False
+    prefill_all(engine, unfed)
+    for r in unfed:
+        assert_drafter_cache_kept(engine.executor, before, r.slot, len(r.prompt) - 1, CONFIG.block)
+    engine.run_until_idle()
     assert [r.tokens for r in unfed] == [reference(r.prompt, r.max_tokens) for r in unfed]
     sampled = [Request(prompts[3], 12, RowSpec(Sampling(0.9, top_k=40), seed=5)) for _ in range(2)]
     for r in sampled:
