@@ -22,11 +22,14 @@ A segment over a bucket of rows, n of them generating, runs the shape of highest
 cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). A fresh server starts from what is known
 before its first request, so its first segments already run the predicted best: each shape's cycle time per row
 bucket timed at warm-up (`calibrate`: the engine runs every compiled shape over live rows of every bucket once more
-after compiling it, a calibration measurement standing for FIRST online ones), and the drafter's recorded acceptance
+after compiling it, a calibration measurement standing for FIRST online ones; a shape not timed online yet keeps its
+calibration scaled by how much the shapes timed online moved from theirs), and the drafter's recorded acceptance
 (`prior`: tune.json's measured a_j, worth PRIOR_ROW_CYCLES row-cycles of counters, which the online counters outweigh
 after a few segments). Learning what a shape costs costs time where it loses, so:
 - a chain whose acceptance nothing has measured or given runs first (one drafting segment measures it; where its
-  cycle time is known, the warm-up's, a probe of one cycle: `probing`, a segment that is timed as no other);
+  cycle time is known, the warm-up's, a probe of one cycle: `probing`, a segment that is timed as no other); a chain
+  chosen on a recorded acceptance alone runs a probe too, so that a prior of other prompts costs one cycle where the
+  traffic disagrees (on HumanEval the bundled chain's first segment over 8 rows took 2.7x a plain one's);
 - a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there (and not calibrated)
   runs again unless it is predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING
   times too slow to hide the fastest shape); the candidates timed fewest times run first, so their measurements
@@ -36,13 +39,18 @@ after a few segments). Learning what a shape costs costs time where it loses, so
   otherwise). A candidate at x = its prediction / the best's then takes about EXPLORE_SHARE x x of the time and
   loses 1 - x of it: exploring costs at most EXPLORE_SHARE / 4 of the throughput, and the worse a shape looks, the
   less often it is tried.
-A row admitted while every chain is predicted below FEED x plain decoding's throughput in its prompt's context range,
-at every row bucket where both were timed, is not fed the drafter at prefill (`feeds_drafter`): its prefill runs the
-drafter over the prompt's last position only (the drafter's prefill over the whole prompt is a cost paid for chains
-that would not run; on the bundled pair it is 25% of a prompt's prefill, and a long prompt's prefill is most of its
-request's time). Chains on such a row draft with no drafter entries for its prompt:
-lossless, at a lower acceptance, which a re-measuring chain then also sees; so every FEED_EVERY-th admission is fed
-all the same, and chains keep measuring the drafter as it is on traffic that changes.
+A row is fed the drafter at prefill (`feeds_drafter`) only where a chain is predicted at FEED x plain decoding's
+throughput or more, in its prompt's context range, at the row bucket that will serve it (the rows generating or queued
+when it is admitted, itself included: at the nearest bucket where both were timed), with an acceptance measured on
+this server's traffic: a recorded one (`prior`) chooses shapes, but never feeds a row. Else its prefill runs the
+drafter over the prompt's last position only. The drafter's prefill over the whole prompt is a cost paid for chains
+(`python benchmarks/serve_feed.py`, bundled pair, 128-token prompts: 13% of a prompt's prefill; a long prompt's
+prefill is most of its request's time), for about 6% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval,
+4.17 against 3.92 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position:
+0.93 on the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then
+lost. Chains on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance, which a
+re-measuring chain then also sees; so every FEED_EVERY-th admission is fed all the same, and chains keep measuring
+the drafter as it is on traffic that changes.
 """
 
 from __future__ import annotations
@@ -102,7 +110,9 @@ class DraftPolicy:
         self.probing = False  # the last chosen segment measures a timed shape's acceptance alone: one cycle will do
         self._expected: dict[tuple[int, int], float] = {}  # (draft depth, range) -> E under the current counters
         self._unfed = 0  # admissions not fed the drafter in a row
-        self._calibrated: set[tuple[DraftShape, int]] = set()  # (shape, row bucket) timed at warm-up
+        self._measured_online = False  # a drafting segment has counted acceptance on this traffic
+        self._calibrated: dict[tuple[DraftShape, int], float] = {}  # (shape, row bucket) -> T timed at warm-up
+        self._online: set[tuple[DraftShape, int, int]] = set()  # (shape, row bucket, range) timed by segments
 
     def prior(self, acceptance) -> None:
         """The drafter's recorded conditional acceptance a_j per draft position (e.g. tune.json's), as counters
@@ -126,7 +136,7 @@ class DraftPolicy:
                 f"DraftPolicy.calibrate: a positive time of one of {self.shapes}, got {shape}, {seconds_per_cycle}"
             )
         self._measured((shape, rows, 0), seconds_per_cycle)
-        self._calibrated.add((shape, rows))
+        self._calibrated[shape, rows] = seconds_per_cycle
 
     def acceptance(self, context: int | None = None) -> np.ndarray:
         """The decayed a_j per draft position (NaN where never reached): over every context range, or in the range
@@ -185,45 +195,48 @@ class DraftPolicy:
         ]
         if learning:
             shape = min(learning, key=timed.get)  # the first of the fewest timed
-            self.probing = timed[shape] > 0 and unmeasured and not shape.plain
         else:
-            self.probing = False
             shape, span = max(self.shapes, key=predicted.get), context_range(context)
             for other in self.shapes:
                 segment = self._cycle(other, rows, span) * self.cycles * best / predicted[other]
                 if other != shape and self._idle.get((other, rows, span), 0.0) * EXPLORE_SHARE >= segment:
                     shape = other
                     break
+        self.probing = timed[shape] > 0 and not self._measured_online and not shape.plain
         self.predicted = self.predict(shape, rows, generating, context)
         return shape
 
-    def feeds_drafter(self, context: int = 0) -> bool:
-        """Whether a row admitted now, its prompt `context` tokens long, is fed the drafter at prefill: not when every
-        chain is predicted below FEED x plain decoding in that prompt's context range at every row bucket where both
-        were timed, unless the last FEED_EVERY - 1 admissions (`admitted`) were not fed either."""
-        return self._drafter_pays(context) or self._unfed >= FEED_EVERY - 1
+    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
+        """Whether a row admitted now, its prompt `context` tokens long, served beside others in a bucket of `rows`
+        rows in all (None: at any bucket), is fed the drafter at prefill: where a chain measured on this traffic is
+        predicted at FEED x plain decoding or more there, or the last FEED_EVERY - 1 admissions (`admitted`) were
+        not fed."""
+        return self._drafter_pays(context, rows) or self._unfed >= FEED_EVERY - 1
 
     def admitted(self, fed: bool) -> None:
         """A row was admitted, fed the drafter at prefill or not."""
         self._unfed = 0 if fed else self._unfed + 1
 
-    def _drafter_pays(self, context: int) -> bool:
-        """Some chain predicted at FEED x plain decoding's throughput or more, `context` positions long, at some
-        bucket where both were timed, or no such bucket yet."""
+    def _drafter_pays(self, context: int, rows: int | None) -> bool:
+        """Some chain predicted at FEED x plain decoding's throughput or more, `context` positions long, at the
+        bucket of `rows` rows or the nearest one where both were timed (None: at any), with an acceptance measured
+        online (else False); True where no bucket has both timed yet."""
         plain = [s for s in self.shapes if s.plain]
         chains = [s for s in self.shapes if not s.plain]
         if not plain or not chains:
             return True
-        compared = False
-        for rows in {rows for _, rows, _ in self.cycle_seconds}:
-            base = self.predict(plain[0], rows, 1, context)
-            drafted = [self.predict(s, rows, 1, context) for s in chains]
-            if base is None or None in drafted:
-                continue
-            if max(drafted) >= FEED * base:
-                return True
-            compared = True
-        return not compared
+        if not self._measured_online:
+            return False
+        pays = {}
+        for bucket in {bucket for _, bucket, _ in self.cycle_seconds}:
+            base = self.predict(plain[0], bucket, 1, context)
+            drafted = [self.predict(s, bucket, 1, context) for s in chains]
+            if base is not None and None not in drafted:
+                pays[bucket] = max(drafted) >= FEED * base
+        if not pays or rows is None:
+            return any(pays.values()) or not pays
+        above = [b for b in pays if b >= rows]
+        return pays[min(above) if above else max(pays)]
 
     def observe(self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0) -> None:
         """What a segment of the last plan took: its wall `seconds` (None: it ran prefill chunks too, so its time is
@@ -237,16 +250,36 @@ class DraftPolicy:
         if seconds is not None:
             if segment.cycles >= self.cycles:  # a probe's time is mostly what a segment pays once (catch-up, calls)
                 self._measured((segment.draft, segment.rows, span), seconds / delta.cycles)
+                self._online.add((segment.draft, segment.rows, span))
+                self._rescale_calibrated(segment.rows, span)
             for shape in self.shapes:
                 idle = (shape, segment.rows, span)
                 self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
         reached = np.asarray(delta.reached[: self.depth], np.float64)
         if reached.any():
+            self._measured_online = True
             accepted = np.asarray(delta.accepted[: self.depth], np.float64)
             self.reached, self.accepted = DECAY * self.reached + reached, DECAY * self.accepted + accepted
             before = self._spans.get(span, (np.zeros(self.depth), np.zeros(self.depth)))
             self._spans[span] = (DECAY * before[0] + reached, DECAY * before[1] + accepted)
             self._expected.clear()
+
+    def _rescale_calibrated(self, rows: int, span: int) -> None:
+        """The shapes at (`rows`, the first range) timed at warm-up only: their warm-up T times the median of how
+        much the shapes timed online there moved from theirs (the warm-up's rows are short dummies, the traffic's
+        longer, which every shape's cycle pays; what the warm-up measures well is the ratio between shapes: on the
+        bundled pair at 8 rows a plain cycle took 3.5 ms at warm-up and 4.4 online, which left a chain timed at
+        warm-up alone looking faster than it was)."""
+        moved = [
+            self.cycle_seconds[s, rows, 0] / self._calibrated[s, rows]
+            for s in self.shapes
+            if (s, rows, 0) in self._online and (s, rows) in self._calibrated
+        ]
+        if span or not moved:
+            return
+        for s in self.shapes:
+            if (s, rows) in self._calibrated and (s, rows, 0) not in self._online:
+                self.cycle_seconds[s, rows, 0] = self._calibrated[s, rows] * float(np.median(moved))
 
     def _measured(self, key: tuple[DraftShape, int, int], seconds_per_cycle: float) -> None:
         recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
@@ -268,7 +301,7 @@ class Calibration:
     def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
         return self.shape
 
-    def feeds_drafter(self, context: int = 0) -> bool:
+    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
         return True
 
     def admitted(self, fed: bool) -> None:

@@ -339,12 +339,14 @@ class Scheduler:
             with self._lock:
                 if not self._queue:
                     break
-                request = self._queue[0]
+                request, queued = self._queue[0], len(self._queue)
             row, given = self.slots.index(None), request.tokens[-1:]
             have = len(request.tokens) - len(given)
             prompt = (*request.prompt, *request.tokens[:have])
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
-            drafter = self.policy.feeds_drafter(len(prompt))
+            # the rows it will be served with: those in slots, and the queue's (itself first) in the free ones
+            rows = min(len(self.slots), len(self.slots) - self.slots.count(None) + queued)
+            drafter = self.policy.feeds_drafter(len(prompt), rows)
             reach = self._next_reach(request)
             salt = request.spec.cache_salt
             cached = self.tables.admit(row, prompt, reach, lookup=not request.echo, drafter=drafter, salt=salt)

@@ -250,7 +250,7 @@ class Scripted:
     def observe(self, segment, counters, seconds, context):
         pass
 
-    def feeds_drafter(self, context):
+    def feeds_drafter(self, context, rows=None):
         return self.feed
 
     def admitted(self, fed):

@@ -240,22 +240,46 @@ def test_a_calibrated_policy_with_a_recorded_acceptance_runs_the_predicted_best_
     acceptance, chain_cost, first
 ):
     """Cycle times timed at warm-up (`calibrate`) and tune.json's acceptance (`prior`): the first segment already runs
-    the shape of highest n E / T, with no learning segments; online counters then outweigh the prior (a chain that
-    accepts nothing on the traffic is dropped within a few segments)."""
+    the shape of highest n E / T, with no learning segments (a chain chosen on the prior alone: a probe of one cycle,
+    the traffic's first measure of the drafter); online counters then outweigh the prior (a chain that accepts nothing
+    on the traffic is dropped after its probe and at most one segment)."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
     policy.calibrate(PLAIN, 2, 0.01)
     policy.calibrate(CHAIN, 2, 0.01 * chain_cost)
     policy.prior([acceptance] * NUM_STEPS)
     e = 1 + sum(acceptance ** (j + 1) for j in range(NUM_STEPS))
     assert first == (CHAIN if e / chain_cost > 1 else PLAIN)
-    assert policy.choose(2, 2) == first
-    if first == CHAIN:  # the traffic disagrees with the prior: plain within a few segments
+    assert policy.choose(2, 2) == first and policy.probing == (first == CHAIN)
+    if first == CHAIN:  # the traffic disagrees with the prior: plain within two segments, the first a probe
         chosen = []
         for _ in range(4):
-            shape = policy.choose(2, 2)
-            chosen.append(shape)
-            loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted=0)
-        assert chosen[-1] == PLAIN and chosen.count(CHAIN) <= 3, chosen
+            shape, cycles = policy.choose(2, 2), 1 if policy.probing else 4
+            chosen.append((shape, cycles))
+            loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted=0, cycles=cycles)
+        assert chosen[0] == (CHAIN, 1) and chosen[2:] == [(PLAIN, 4)] * 2, chosen  # (the prior: 16 row-cycles)
+    loop.run(policy, PLAIN, 0.01, accepted=0)
+    assert not policy.probing
+
+
+def test_a_shape_timed_at_warm_up_alone_moves_with_the_shapes_timed_online():
+    """Warm-up rows are short, the traffic's longer: a plain cycle timed online at 1.5x its warm-up time scales the
+    chain's warm-up time (not timed online yet) by 1.5x too, at that bucket only, so the chain does not look faster
+    than it is against plain decoding's online time (the ratio the warm-up measured stays: a tie stays a tie); the
+    chain's own online times then take over."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    for rows in (1, 2):
+        policy.calibrate(PLAIN, rows, 0.01)
+        policy.calibrate(CHAIN, rows, 0.02)
+    policy.prior([1.0] * NUM_STEPS)  # E = 4: the chain 2x plain at warm-up's times
+    loop.run(policy, PLAIN, 0.02, 0)  # online, 2 rows: [0.01 (warm-up), 0.02] -> 0.015 per cycle
+    assert policy.cycle_seconds[PLAIN, 2, 0] == pytest.approx(0.015)
+    assert policy.cycle_seconds[CHAIN, 2, 0] == pytest.approx(0.03)
+    assert policy.cycle_seconds[CHAIN, 1, 0] == pytest.approx(0.02)  # another bucket: as it was timed
+    assert policy.predict(CHAIN, 2, 2) == pytest.approx(2 * policy.predict(PLAIN, 2, 2))
+    loop.run(policy, CHAIN, 0.05, NUM_STEPS)  # its own online time: [0.02, 0.05] -> 0.035
+    assert policy.cycle_seconds[CHAIN, 2, 0] == pytest.approx(0.035)
+    loop.run(policy, PLAIN, 0.02, 0)  # no longer rescaled
+    assert policy.cycle_seconds[CHAIN, 2, 0] == pytest.approx(0.035)
 
 
 def test_a_calibrated_policy_without_a_recorded_acceptance_drafts_once_to_measure_it():
@@ -302,13 +326,14 @@ def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time(ac
 
 
 @pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 2.0), (1, 2.2), (0, 1.1), (1, 1.8), (3, 2.0)])
-def test_rows_are_fed_the_drafter_unless_every_chain_is_predicted_below_feed_x_plain(accepted, chain_cost):
-    """A row is fed the drafter at prefill until both shapes are timed at some bucket; then unless the chain is
-    predicted below FEED x plain decoding at every bucket where both are timed (then every FEED_EVERY-th admission
-    all the same; one bucket where it is not below: fed again)."""
+def test_rows_are_fed_the_drafter_where_a_chain_measured_on_the_traffic_pays(accepted, chain_cost):
+    """No row is fed the drafter at prefill before a chain has counted acceptance online (but every FEED_EVERY-th);
+    then unless the chain is predicted below FEED x plain decoding at every bucket where both are timed (then every
+    FEED_EVERY-th admission all the same; one bucket where it is not below: fed again)."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    assert not policy.feeds_drafter()
     loop.run(policy, PLAIN, 0.01, accepted)
-    assert policy.feeds_drafter()
+    assert not policy.feeds_drafter()
     loop.run(policy, CHAIN, 0.01 * chain_cost, accepted)
     pays = (1 + accepted) / chain_cost >= FEED
     asked = [policy.feeds_drafter() for _ in range(2 * FEED_EVERY)]  # asking admits nothing: no answer changes
@@ -322,6 +347,38 @@ def test_rows_are_fed_the_drafter_unless_every_chain_is_predicted_below_feed_x_p
     loop.run(policy, CHAIN, 0.0095 / FEED, accepted, rows=1)  # a bucket where the chain is 5% over FEED x plain
     assert policy.feeds_drafter()
     assert DraftPolicy((CHAIN,), cycles=4).feeds_drafter() and DraftPolicy((PLAIN,), cycles=4).feeds_drafter()
+
+
+def test_a_recorded_acceptance_chooses_shapes_but_feeds_no_row():
+    """With tune.json's acceptance (`prior`) and warm-up times, the first segment runs the chain the prior predicts
+    fastest, but rows are fed only once a chain has measured the drafter on this traffic (a recorded acceptance is of
+    other prompts: on HumanEval the bundled drafter accepts half what the held-out prompts give); every
+    FEED_EVERY-th admission is fed all the same."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    policy.calibrate(PLAIN, 2, 0.01)
+    policy.calibrate(CHAIN, 2, 0.02)
+    policy.prior([0.95] * NUM_STEPS)
+    assert policy.choose(2, 2) == CHAIN
+    fed = []
+    for _ in range(FEED_EVERY):
+        fed.append(policy.feeds_drafter(rows=2))
+        policy.admitted(fed[-1])
+    assert fed == [False] * (FEED_EVERY - 1) + [True]
+    loop.run(policy, CHAIN, 0.02, NUM_STEPS)
+    assert policy.feeds_drafter(rows=2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, None])
+def test_a_row_is_fed_where_a_chain_pays_at_the_bucket_that_will_serve_it(rows):
+    """A chain that pays over 1 row and loses over 8 (its cycle costs 2x plain's over 1 row, 6x over 8; 3 tokens per
+    cycle): a row admitted to be served alone is fed the drafter, one joining 7 others is not (nor 2 or 3 rows, whose
+    nearest timed bucket above is 8; 9: the largest timed); not asked for a bucket (None): fed where one pays."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    for bucket, cost in ((1, 2.0), (8, 6.0)):
+        policy.calibrate(PLAIN, bucket, 0.01)
+        policy.calibrate(CHAIN, bucket, 0.01 * cost)
+    loop.run(policy, CHAIN, 0.02, 2, rows=1)  # measured online: 2 of 3 drafts accepted
+    assert policy.feeds_drafter(rows=rows) == (rows in (1, None))
 
 
 SHORT, LONG = 100, 16 * CONTEXT_RANGE  # live lengths in the first context range and two ranges further

@@ -435,7 +435,7 @@ class Recording:
     predicted, probing = None, False
 
     def __init__(self):
-        self.chosen, self.observed = [], []
+        self.chosen, self.observed, self.fed = [], [], []
 
     def choose(self, rows, generating, context):
         self.chosen.append(context)
@@ -444,7 +444,8 @@ class Recording:
     def observe(self, segment, counters, seconds, context):
         self.observed.append(context)
 
-    def feeds_drafter(self, context):
+    def feeds_drafter(self, context, rows=None):
+        self.fed.append((context, rows))
         return True
 
     def admitted(self, fed):
@@ -471,3 +472,25 @@ def test_the_policy_is_asked_with_the_longest_generating_rows_live_length():
     policy.probing = True  # a probe: one cycle
     scheduler.submit(Request([1] * 5, 20, RowSpec(seed=3)))
     assert [step(scheduler, executor)[0].segment for _ in range(2)][1].cycles == 1
+
+
+def test_the_policy_is_asked_whether_to_feed_a_row_at_the_rows_it_will_be_served_with():
+    """A row's feed decision is asked with its prompt's length and the rows it will be served with: those in slots
+    and the queue's (itself included), at most the slots; a burst of 6 into 4 free slots asks at 4 rows each time,
+    a request alone at 1, one joining 3 generating rows at 4."""
+    scheduler, executor = make(), FakeExecutor(Shape())
+    scheduler.policy = policy = Recording()
+    scheduler.submit(Request([1] * 5, 8, RowSpec(seed=1)))
+    step(scheduler, executor)
+    assert policy.fed == [(5, 1)]
+    drain(scheduler, executor)
+    policy.fed.clear()
+    burst = [Request([1] * (6 + i), 30, RowSpec(seed=10 + i)) for i in range(6)]
+    for r in burst:
+        scheduler.submit(r)
+    step(scheduler, executor)
+    assert policy.fed == [(6 + i, 4) for i in range(4)]
+    scheduler.cancel(burst[0])
+    policy.fed.clear()
+    step(scheduler, executor)
+    assert policy.fed == [(10, 4)]  # the fifth, beside 3 rows and before the sixth: the slots hold 4 at most
