@@ -78,6 +78,36 @@ class Clients:
         return [r.tokens for r in self.requests]
 
 
+class Pinned:
+    """A DraftPolicy stand-in: every segment drafts `shape`, every row fed the drafter at prefill or none (`feed`)."""
+
+    predicted, probing = None, False
+
+    def __init__(self, shape, feed: bool):
+        self.shape, self.feed = shape, feed
+
+    def choose(self, rows: int, generating: int, context: int = 0):
+        return self.shape
+
+    def observe(self, segment, counters, seconds, context: int = 0) -> None:
+        pass
+
+    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
+        return self.feed
+
+    def admitted(self, fed: bool) -> None:
+        pass
+
+
+def report(output: Path, record: dict, title: str, note: str, table: list[str]) -> None:
+    """`record` (its "command", "load_average_before" and "load_average_after" set) as `output` (JSON), and as
+    markdown beside it: `title`, what wrote it with `note` and the load, then the `table`'s lines."""
+    output.write_text(json.dumps(record, indent=2) + "\n")
+    load = load_text(record["load_average_before"], record["load_average_after"])
+    lines = [f"# {title}", "", f"Written by `{record['command']}` ({note}); {load}.", "", *table]
+    output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def load_text(before, after) -> str:
     """The load averages (1, 5, 15 min) before and after a run, as a report states them."""
     fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731

@@ -19,30 +19,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-from serve_engine import Clients, load_text, lockstep  # this directory (run as a script)
+from serve_engine import Clients, Pinned, load_text, lockstep  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class PlainOnly:
-    """A DraftPolicy stand-in: every segment plain decoding, no row fed the drafter."""
-
-    predicted, probing = None, False
-
-    def __init__(self, plain):
-        self.plain = plain
-
-    def choose(self, rows: int, generating: int, context: int = 0):
-        return self.plain
-
-    def observe(self, segment, counters, seconds, context: int = 0) -> None:
-        pass
-
-    def feeds_drafter(self, context: int = 0) -> bool:
-        return False
-
-    def admitted(self, fed: bool) -> None:
-        pass
 
 
 def main() -> None:
@@ -71,7 +50,7 @@ def main() -> None:
     }
     for e in engines.values():
         e.warmup(lambda _: None)
-    engines["auto, plain only"].scheduler.policy = PlainOnly(DraftShape(0))
+    engines["auto, plain only"].scheduler.policy = Pinned(DraftShape(0), feed=False)
     order, totals = np.random.default_rng(0), {}
     load_before = os.getloadavg()
     for c in (1, 8):
