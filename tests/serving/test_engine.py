@@ -1,11 +1,14 @@
 """The slot engine in-process: admission into free slots between segments, chunked per-slot prefill, eviction,
 cancellation, the bounded queue, per-row sampling, and greedy output independent of the rest of the batch."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding.sampling import RowSampling, Sampling, warp, warp_rows
+from jaxspec.decoding.sampling import RowSampling, Sampling, sample_rows, warp, warp_rows
 from jaxspec.decoding.sampling_params import RowSpec
 from jaxspec.serving.engine import QueueFull, Request
 from tests.serving.support import ENGINE as CONFIG
@@ -99,6 +102,25 @@ def test_warp_rows_equals_warp_per_row():
         np.testing.assert_allclose(np.exp(got[b]), np.exp(want), atol=1e-6, err_msg=str(s))
     tiny = np.asarray(warp_rows(logits[:1], RowSampling.of([Sampling(1e-30)])))
     assert not np.isnan(tiny).any() and (np.exp(tiny).sum(-1) > 0.999).all()
+
+
+def test_sample_rows_draws_no_noise_where_every_row_is_greedy():
+    """All rows greedy: `sample_rows` gives what drawing from warp_rows' one-hots gives (the first maximum, ties
+    included), and its program draws no Gumbel noise where that is so; a batch with a sampling row draws every row
+    as before (the greedy ones still their argmax)."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(np.round(rng.standard_normal((3, 2, 64)) * 2), jnp.float32)  # rounded: ties
+    logits = logits.at[0, 0, 7].set(9.0).at[0, 0, 9].set(9.0)  # a tie at the maximum: the first wins
+    keys = jax.random.split(jax.random.key(3), 3)
+    draw = lambda rows: jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(keys, warp_rows(logits, rows))
+    greedy = RowSampling.of([Sampling(0.0)] * 3)
+    got = np.asarray(sample_rows(keys, logits, greedy))
+    assert np.array_equal(got, np.asarray(draw(greedy))) and got[0, 0] == 7
+    assert np.array_equal(got, np.asarray(jnp.argmax(logits, -1)))
+    mixed = RowSampling.of([Sampling(0.0), Sampling(0.9), Sampling(0.0)])
+    assert np.array_equal(np.asarray(sample_rows(keys, logits, mixed)), np.asarray(draw(mixed)))
+    conds = lambda f: len(re.findall(r"= \S+ conditional\(", jax.jit(f).lower(greedy).compile().as_text()))
+    assert conds(lambda rows: sample_rows(keys, logits, rows)) == conds(draw) + 1  # the draw: a branch of its own
 
 
 def test_a_logged_sequence_of_plans_replayed_by_a_fresh_executor_reproduces_the_run(engine, prompts, pair):
