@@ -270,12 +270,14 @@ class DraftPolicy:
         longer, which every shape's cycle pays; what the warm-up measures well is the ratio between shapes: on the
         bundled pair at 8 rows a plain cycle took 3.5 ms at warm-up and 4.4 online, which left a chain timed at
         warm-up alone looking faster than it was)."""
+        if span:
+            return
         moved = [
             self.cycle_seconds[s, rows, 0] / self._calibrated[s, rows]
             for s in self.shapes
             if (s, rows, 0) in self._online and (s, rows) in self._calibrated
         ]
-        if span or not moved:
+        if not moved:
             return
         for s in self.shapes:
             if (s, rows) in self._calibrated and (s, rows, 0) not in self._online:

@@ -33,9 +33,11 @@ CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_
 # and the programs every start-up compiles once (admit, free, the prefill chunks run alone). With the one-module
 # option (jax 0.10, 0.11), and without it (jax 0.12: each fusion is an object of its own). Raised by ~12% when the
 # programs gained coupled sampling, per-row speculation counters and the drafter's ragged read of its pool (jax 0.10:
-# 812, 930, 945 and 1,522 measured; the jax 0.12 table scaled alike, not re-measured).
-SEGMENT_MAPS = {(False, False): 900, (False, True): 1000, (True, False): 1050, (True, True): 1650}
-SEGMENT_MAPS_PER_FUSION = {(False, False): 1700, (False, True): 1850, (True, False): 1850, (True, True): 2300}
+# 812, 930, 945 and 1,522 measured; the jax 0.12 table scaled alike, not re-measured); by ~12% again when greedy rows'
+# draws became a branch without noise (`sampling.sample_rows`, in every program's prefill chunks: 928, 1,047, 1,066
+# and 1,664 measured).
+SEGMENT_MAPS = {(False, False): 1020, (False, True): 1150, (True, False): 1170, (True, True): 1820}
+SEGMENT_MAPS_PER_FUSION = {(False, False): 1900, (False, True): 2070, (True, False): 2070, (True, True): 2550}
 FIXED_MAPS = 1100
 # The share of the limit a start-up may plan to use: the rest is for what the process maps besides (threads'
 # stacks, sockets, a compile's own working maps).

@@ -257,8 +257,6 @@ def test_a_calibrated_policy_with_a_recorded_acceptance_runs_the_predicted_best_
             chosen.append((shape, cycles))
             loop.run(policy, shape, 0.01 * (chain_cost if shape.num_steps else 1), accepted=0, cycles=cycles)
         assert chosen[0] == (CHAIN, 1) and chosen[2:] == [(PLAIN, 4)] * 2, chosen  # (the prior: 16 row-cycles)
-    loop.run(policy, PLAIN, 0.01, accepted=0)
-    assert not policy.probing
 
 
 def test_a_shape_timed_at_warm_up_alone_moves_with_the_shapes_timed_online():
