@@ -1,13 +1,14 @@
 """What feeding the drafter a prompt buys and costs: a k = 4 chain on rows fed the drafter at prefill against rows
 that are not (`DraftPolicy.feeds_drafter`), in-process, in lockstep.
 
-An adaptive engine drafts from the drafter's cache, which prefill fills over the whole prompt for a fed row and over
-its last position only for an unfed one (spec_loop's `_prompt_extend`). Two engines over the bundled pair (8 slots,
-batch buckets 1 and 8, 256 positions), their policy pinned to the k = 4 chain (serve_engine.py's `Pinned`), one
-feeding every row and one none, serve the same greedy requests one at a time (c = 1): per prompt set, the drafter's
-conditional acceptance a_j per draft position and the tokens per cycle E the chain reached on each, the tokens/s of
---max-tokens-token requests, and the seconds of the prompts' prefill alone (the same prompts as 1-token requests).
-Same tokens asserted (greedy output does not depend on the drafter's cache).
+An adaptive engine drafts from the drafter's cache, which prefill fills over the whole prompt for a fed row; for an
+unfed one the first chain segment runs the drafter from the prompt's last position on (spec_loop's
+`_prompt_extend`). Two engines over the bundled pair (8 slots, batch buckets 1 and 8, 256 positions), their policy
+pinned to the k = 4 chain (serve_engine.py's `Pinned`), one feeding every row and one none, serve the same greedy
+requests one at a time (c = 1): per prompt set, the drafter's conditional acceptance a_j per draft position and the
+tokens per cycle E the chain reached on each, the tokens/s of --max-tokens-token requests, and the seconds of the
+prompts' prefill alone (the same prompts as 1-token requests). Same tokens asserted (greedy output does not
+depend on the drafter's cache).
 
     python benchmarks/serve_feed.py      # writes benchmarks/results/serve_feed.{json,md}
 """

@@ -78,7 +78,8 @@ class SpecLoop:
         None), for the serving engine: every other row keeps its state. The row must be admitted (`LoopState.admit`)
         and done (so cycles skip it) while its chunks run in order; the chunk holding its last prompt position sets
         its first token and draft, and makes it active unless that token ends it. `feed` (a traced bool; None:
-        True): the drafter runs over the chunk; else over the prompt's last position only (`_prompt_extend`)."""
+        True): the drafter runs over the chunk; else not at all, and the row's first draft waits for a drafting
+        program (`_prompt_extend`)."""
         self.traces += 1
         row = self._prefill_chunk(cfg, tparams, dparams, state.window(1, start=slot), start, feed)
         last_chunk = row.prompt_len_B - 1 < start + cfg.prefill_chunk
@@ -122,19 +123,25 @@ class SpecLoop:
         chunk = next_BT, concat_captured(captured), pos_BT, row_B
         if cfg.tree:  # the next root's logits: the first cycle expands its top-k
             extend = lambda *x: extend_logits(self.drafter, dparams, *x)
-            dq_BV, h2_BD, dcache = _prompt_extend(extend, s.draft_cache, chunk, feed, in_chunk_B)
+            dq_BV, h2_BD, dcache = _prompt_extend(extend, s.draft_cache, chunk, feed)
             d_B = s.draft_B
         else:
             c = _coupling(cfg, s)
             extend = lambda *x: draft_extend(self.drafter, dparams, *x, k2, sampling, c)
-            d_B, dq_BV, h2_BD, dcache = _prompt_extend(extend, s.draft_cache, chunk, feed, in_chunk_B)
-        if s.drafted_B is not None:  # the drafter has run over the prompt (or is not fed it: `_prompt_extend`)
-            s = s.replace(drafted_B=jnp.where(in_chunk_B, prompt_len_B, s.drafted_B))
+            d_B, dq_BV, h2_BD, dcache = _prompt_extend(extend, s.draft_cache, chunk, feed)
+        fed_B = in_chunk_B if feed is None else in_chunk_B & feed
+        if s.drafted_B is not None:  # the drafter has run over the prompt, or else waits at its last position
+            unfed_B = in_chunk_B & ~fed_B
+            last_aux_BI = replicate(_at_rows(chunk[1], row_B), self.target.mesh).astype(s.prompt_aux_BI.dtype)
+            s = s.replace(
+                drafted_B=jnp.where(in_chunk_B, jnp.where(fed_B, prompt_len_B, last_B), s.drafted_B),
+                prompt_aux_BI=jnp.where(unfed_B[:, None], last_aux_BI, s.prompt_aux_BI),
+            )
         return s.replace(
             draft_cache=dcache,
-            draft_B=jnp.where(in_chunk_B, d_B, s.draft_B),
-            draft_q_BV=jnp.where(in_chunk_B[:, None], dq_BV, s.draft_q_BV),
-            hidden_BD=jnp.where(in_chunk_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
+            draft_B=jnp.where(fed_B, d_B, s.draft_B),
+            draft_q_BV=jnp.where(fed_B[:, None], dq_BV, s.draft_q_BV),
+            hidden_BD=jnp.where(fed_B[:, None], h2_BD.astype(s.hidden_BD.dtype), s.hidden_BD),
         )
 
     # ------------------------------------------------------------------ the cycle loop
@@ -151,8 +158,9 @@ class SpecLoop:
         return jax.lax.while_loop(cond, lambda s: as_carry(self._cycle(cfg, tparams, dparams, s), s), state)
 
     def _catch_up(self, cfg: LoopConfig, dparams, s: LoopState) -> LoopState:
-        """A lazy drafter behind its rows (plain cycles ran): draft-extend over the positions [drafted_B, length_B)
-        with the target states plain cycles kept, num_steps + 1 positions per step (the slots a cycle's own
+        """A lazy drafter behind its rows (plain cycles ran, or the row's prompt was not fed it): draft-extend over
+        the positions [drafted_B, length_B) with the target states plain cycles kept (at an unfed prompt's last
+        position, the ones its prefill kept), num_steps + 1 positions per step (the slots a cycle's own
         draft-extend writes), until every running row's draft, q and hidden state are current at its length (a
         tree's: its next root's logits, in draft_q_BV, and hidden state)."""
         W, sampling = cfg.num_steps + 1, _sampling(cfg, s)
@@ -165,6 +173,8 @@ class SpecLoop:
             pos_BT = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
             tokens_BT = jnp.take_along_axis(s.tokens_BS, jnp.minimum(pos_BT + 1, S - 1), axis=1)
             aux_BTI = jnp.take_along_axis(s.aux_BSI, jnp.minimum(pos_BT, S - 1)[:, :, None], axis=1)
+            at_prompt_BT = pos_BT == s.prompt_len_B[:, None] - 1  # an unfed prompt's last position: its own states
+            aux_BTI = jnp.where(at_prompt_BT[:, :, None], s.prompt_aux_BI[:, None].astype(aux_BTI.dtype), aux_BTI)
             last_B = jnp.clip(s.length_B - 1 - start_B, 0, W - 1)
             key, d_B = s.key, s.draft_B
             if cfg.tree:  # a tree drafts deterministically from the root's logits: no draw
@@ -397,29 +407,31 @@ def draft_step(drafter: Drafter, dparams, token_B, hidden_BD, pos_BT, cache, key
     return token_B, q_BV, replicate(h2, drafter.target.mesh)[:, 0], cache
 
 
-def _prompt_extend(extend, cache, chunk, feed, in_chunk_B):
+def _prompt_extend(extend, cache, chunk, feed):
     """The drafter's `extend(tokens, aux, pos, cache, row) -> (..., cache)` over a prefill chunk (tokens, target
     states, positions [B, T, ..], each row's last prompt position in it): over every position, or with `feed` False
-    (adaptive serving admits rows that way where speculation does not pay) over each row's last prompt position
-    alone, and not at all in a chunk that does not hold it (`in_chunk_B`: its outputs are then not used). That is
-    all the first draft needs: the draft and its distribution q come from the drafter as they always do (so
-    speculative sampling stays lossless: it is for any q a draft is drawn from); only the drafter's cache below the
-    prompt's end holds no entries of this prompt, which costs acceptance, never correctness, if chains run on the
-    row later. `feed` None: every position (a fixed shape always feeds the drafter)."""
+    (adaptive serving admits rows that way where speculation does not pay) not at all: the prefill keeps the target
+    states of the prompt's last position instead (`LoopState.prompt_aux_BI`), and the first drafting program's
+    catch-up drafts from there as this would have (over the same cache entries, its draw keyed at the same
+    position), so an unfed prompt costs the drafter nothing unless a chain runs on its row. Only the drafter's cache
+    below the prompt's end holds no entries of this prompt, which costs acceptance, never correctness. `feed` None:
+    every position (a fixed shape always feeds the drafter)."""
     tokens_BT, aux_BTI, pos_BT, row_B = chunk
     whole = lambda: extend(tokens_BT, aux_BTI, pos_BT, cache, row_B)
     if feed is None:
         return whole()
-    at = lambda x: jnp.take_along_axis(x, row_B.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)
-    alone = lambda: extend(at(tokens_BT), at(aux_BTI), at(pos_BT), cache, jnp.zeros_like(row_B))
 
-    def unused():  # the outputs' types as `alone`'s (a block table can come back typed as sharded over the rows)
-        *outs, written = jax.eval_shape(alone)
+    def unfed():  # whole's outputs' types (a block table can come back typed as sharded over the rows), unused
+        *outs, written = jax.eval_shape(whole)
         zeros = (jnp.zeros(x.shape, x.dtype, out_sharding=x.sharding) for x in outs)
         return (*zeros, jax.tree.map(lambda x, t: jax.sharding.reshard(x, t.sharding), cache, written))
 
-    branch = jnp.where(feed, 2, jnp.where(jnp.any(in_chunk_B), 1, 0))
-    return jax.lax.switch(branch, (unused, alone, whole))
+    return jax.lax.cond(feed, whole, unfed)
+
+
+def _at_rows(x_BT, row_B):
+    """x_BT[b, row_B[b]] for each b (x [B, T, ...] -> [B, ...])."""
+    return jnp.take_along_axis(x_BT, row_B.reshape((-1, 1) + (1,) * (x_BT.ndim - 2)), axis=1)[:, 0]
 
 
 def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B, key, sampling, coupling=None):

@@ -72,9 +72,10 @@ class LoopConfig:
         return self.draft.verify_tokens
 
 
-# What plain cycles on a state with a lazy drafter neither read nor write: the drafter's current draft and the
-# position it has reached (a chain program's catch-up brings them up to date).
-DRAFTER_ONLY = ("draft_B", "draft_q_BV", "hidden_BD", "drafted_B")
+# What plain cycles on a state with a lazy drafter neither read nor write: the drafter's current draft, the position
+# it has reached and the target states of unfed prompts' last positions (a chain program's catch-up reads them and
+# brings the drafter up to date).
+DRAFTER_ONLY = ("draft_B", "draft_q_BV", "hidden_BD", "drafted_B", "prompt_aux_BI")
 
 
 def _axes(row: int | None, position: int | None = None) -> dict[str, Any]:
@@ -126,9 +127,12 @@ class LoopState:
     # Lazy drafter (a state built with `lazy_drafter`, for plain and drafting programs on one state): the captured
     # target states at each position [B, S, X*D] that plain cycles keep, and how far the drafter has run (int32 [B]: its
     # cache, draft_B, draft_q_BV and hidden_BD are current when drafted_B == length_B; a drafting program first catches
-    # up).
+    # up). A row not fed the drafter at prefill (`SpecLoop.prefill_slot`'s `feed` False) leaves it at its last prompt
+    # position, whose captured target states [B, X*D] the prefill keeps in prompt_aux_BI: the first drafting program
+    # drafts its first draft there, as the prefill would have (the drafter costs an unfed prompt nothing until then).
     aux_BSI: jax.Array | None = struct.field(default=None, **_axes(0, 1))
     drafted_B: jax.Array | None = struct.field(default=None, **_axes(0))
+    prompt_aux_BI: jax.Array | None = struct.field(default=None, **_axes(0))
 
     # ------------------------------------------------------------------ the one constructor
     @classmethod
@@ -152,8 +156,9 @@ class LoopState:
         request is admitted there); else one key from `seed`. `greedy`: every program run on this state is greedy,
         so a chain keeps no draft distribution. `logprobs` (per-row only): the logprob buffers (`Logprobs`, 164
         bytes per position and row). The drafter's cache exists when the draft uses the drafter; `lazy_drafter`:
-        the fields that let plain cycles leave the drafter behind (aux_BSI, drafted_B). Without `caches`
-        neither cache is made (None): the serving executor keeps them in its pool of blocks."""
+        the fields that let plain cycles and unfed prompts leave the drafter behind (aux_BSI, drafted_B,
+        prompt_aux_BI). Without `caches` neither cache is made (None): the serving executor keeps them in its pool
+        of blocks."""
         use_drafter = drafter is not None and not draft.plain
         D = drafter.config.hidden_size if use_drafter else 1
         V = 1
@@ -174,7 +179,8 @@ class LoopState:
 
             def make():
                 aux = jnp.zeros((batch, context, width), target.dtype)
-                return dict(aux_BSI=aux, drafted_B=jnp.zeros((batch,), jnp.int32))
+                last = jnp.zeros((batch, width), target.dtype)
+                return dict(aux_BSI=aux, drafted_B=jnp.zeros((batch,), jnp.int32), prompt_aux_BI=last)
 
             # made by a program (not device_put), so a mesh spanning processes gets its shards on every process
             lazy = jax.jit(make, out_shardings=NamedSharding(target.mesh, PartitionSpec()))()

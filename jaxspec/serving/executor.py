@@ -282,7 +282,8 @@ def _scatter(state: LoopState, pool: CachePool, part: LoopState, start) -> tuple
 def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, chunks, count, fix, cycles):
     """One segment's program: the prefill chunks `chunks[:count]` ((row, start, drafter) each, in order; the
     loop's `prefill_slot` under config `prefill`, each row gathered over every position; on a state with a lazy
-    drafter, the drafter runs over the chunk or, with `drafter` 0, over the prompt's last position only), then
+    drafter, the drafter runs over the chunk or, with `drafter` 0, not at all: a drafting segment drafts the row's
+    first draft when it first runs on it), then
     `cycles` cycles of `cfg` over the window (rows, positions, with the drafter's cache or not: a plain segment
     leaves it as it is) from row 0 (`cfg` None: the chunks alone, in a step with no generating row). Nothing of the
     state or the pool is copied out and in between programs. A chunk that ends a prompt activates its row before the

@@ -19,8 +19,8 @@ What they mean (also in docs/serving.md's metrics table):
   `jaxspec_segment_measured_tokens_per_second`: the last segment's throughput as the scheduler's cost model predicted
   it when choosing the shape (absent until that shape was timed at that batch bucket) and as it ran.
 - `jaxspec_prefill_chunks_total{drafter}`: prompt chunks prefilled, `fed` the drafter too or `not fed` (with
-  `--num-steps auto`, rows admitted while speculation does not pay: the drafter runs over the prompt's last position
-  only).
+  `--num-steps auto`, rows admitted while speculation does not pay: the drafter does not run at prefill, and a
+  chain that later runs on the row drafts from the prompt's last position on).
 - The cache pool (as vLLM's `kv_cache_usage_perc`, `num_preemptions`, `prefix_cache_queries` / `_hits`):
   `jaxspec_kv_cache_usage_perc`: the fraction of the pool's blocks rows hold (of `jaxspec_kv_cache_blocks`);
   `jaxspec_num_preemptions_total`: rows preempted because the pool ran out (resumed later by recompute);

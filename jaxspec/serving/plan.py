@@ -92,8 +92,9 @@ class RowPosition:
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk(RowPosition):
     """One prefill chunk of a row's prompt, from position `start` (a multiple of the prefill chunk). `drafter`: the
-    drafter runs over the chunk too (False: over the prompt's last position only, for an adaptive engine's row
-    admitted where speculation does not pay; a fixed-shape engine always runs it)."""
+    drafter runs over the chunk too (False: not at all, for an adaptive engine's row admitted where speculation does
+    not pay: a chain that later runs on the row drafts from its prompt's last position on; a fixed-shape engine always
+    runs it)."""
 
     drafter: bool = True
 

@@ -137,25 +137,33 @@ def test_a_chain_segment_after_plain_ones_catches_the_drafter_up(engine, pair, p
 
 
 def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(engine, prompts, reference):
-    """Rows admitted where speculation does not pay (`DraftPolicy.feeds_drafter` False) run the drafter over their
-    prompt's last position only: its cache below that position keeps what the pool held there (no chunk writes it),
-    the first draft and its distribution q come from the drafter (the draft has positive mass under q: lossless
-    speculative sampling needs nothing more), and chains on such rows give the greedy reference, alone and next to a
-    fed row."""
-    requests = [Request(prompts[5], 14), Request(prompts[6], 10, RowSpec(Sampling(0.8), seed=4))]
-    expected = reference(requests[0].prompt, 14)
-    engine.scheduler.policy = Scripted((CHAIN, PLAIN))
+    """Rows admitted where speculation does not pay (`DraftPolicy.feeds_drafter` False) cost the drafter nothing at
+    prefill: no chunk writes its cache (its entries up to the prompt's end keep what the pool held there), and the
+    drafter waits at the prompt's last position, through plain segments too. The first chain segment drafts from
+    there: the drafter is then current, the first draft and its distribution q come from the drafter (the draft has
+    positive mass under q: lossless speculative sampling needs nothing more), and chains on such rows give the greedy
+    reference, alone and next to a fed row."""
+    requests = [Request(prompts[5], 24), Request(prompts[6], 24, RowSpec(Sampling(0.8), seed=4))]
+    expected = reference(requests[0].prompt, 24)
+    engine.scheduler.policy = Scripted((PLAIN,))
     engine.scheduler.policy.feed = False
     x = engine.executor
     before = jax.tree.map(np.asarray, x.pool.drafter)
     prefill_all(engine, requests)
-    state = x.state
+    engine.step()  # a plain segment over both
     for r in requests:
         row, n = r.slot, len(r.prompt)
-        assert n <= int(state.drafted_B[row]) <= int(state.length_B[row])  # the drafter is at the prompt's end or on
-        q = np.asarray(state.draft_q_BV[row])
-        assert q.sum() == pytest.approx(1.0, abs=1e-4) and q[int(state.draft_B[row])] > 0
-        assert_drafter_cache_kept(x, before, row, n - 1, CONFIG.block)  # no chunk writes it below the last position
+        assert int(x.state.drafted_B[row]) == n - 1 < int(x.state.length_B[row])  # waits at the prompt's end
+        assert_drafter_cache_kept(x, before, row, n, CONFIG.block)  # no chunk wrote it, not even the last position
+    engine.scheduler.policy = Scripted((CHAIN, PLAIN))
+    engine.scheduler.policy.feed = False
+    engine.step()  # the chain's catch-up drafts from the prompt's last position on
+    assert not any(r.finished for r in requests)
+    for r in requests:
+        assert int(x.state.drafted_B[r.slot]) == int(x.state.length_B[r.slot])
+    row = requests[1].slot
+    q = np.asarray(x.state.draft_q_BV[row])
+    assert q.sum() == pytest.approx(1.0, abs=1e-4) and q[int(x.state.draft_B[row])] > 0
     engine.scheduler.policy.feed = True
     fed = Request(prompts[0], 12)
     engine.submit(fed)
