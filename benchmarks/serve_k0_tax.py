@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from serve_engine import Clients, Pinned, load_text, lockstep  # this directory (run as a script)
+from serve_engine import Clients, Pinned, lockstep, report  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,19 +74,12 @@ def main() -> None:
         "load_average_after": os.getloadavg(),
         "results": results,
     }
-    args.output.write_text(json.dumps(record, indent=2) + "\n")
-    lines = [
-        "# The K=0 tax: `--num-steps auto` pinned to plain decoding vs a plain-only engine",
-        "",
-        f"Written by `{record['command']}`; {load_text(load_before, record['load_average_after'])}.",
-        "",
-        "| concurrency | plain tok/s | auto, plain only tok/s | auto / plain |",
-        "|---|---|---|---|",
-    ]
+    table = ["| concurrency | plain tok/s | auto, plain only tok/s | auto / plain |", "|---|---|---|---|"]
     for name, r in results.items():
         m = r["tok_s"]
-        lines.append(f"| {name[2:]} | {m['plain']:.0f} | {m['auto, plain only']:.0f} | {r['auto_over_plain']:.3f} |")
-    args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        table.append(f"| {name[2:]} | {m['plain']:.0f} | {m['auto, plain only']:.0f} | {r['auto_over_plain']:.3f} |")
+    title = "The K=0 tax: `--num-steps auto` pinned to plain decoding vs a plain-only engine"
+    report(args.output, record, title, f"greedy, in lockstep, the first of {args.rounds} rounds discarded", table)
 
 
 if __name__ == "__main__":

@@ -237,12 +237,12 @@ def expected_text(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, int
 
 # ------------------------------------------------- a scripted draft policy (test_adaptive, test_engine_tree)
 class Scripted:
-    """A DraftPolicy stand-in: the segments' shapes in a fixed cycle."""
+    """A DraftPolicy stand-in: the segments' shapes in a fixed cycle; admitted rows fed the drafter or not (`feed`)."""
 
     predicted, probing = None, False
 
-    def __init__(self, shapes):
-        self.shapes = itertools.cycle(shapes)
+    def __init__(self, shapes, feed: bool = True):
+        self.shapes, self.feed = itertools.cycle(shapes), feed
 
     def choose(self, rows, generating, context):
         return next(self.shapes)
@@ -255,8 +255,6 @@ class Scripted:
 
     def admitted(self, fed):
         pass
-
-    feed = True
 
 
 def assert_drafter_cache_kept(executor, before, row: int, upto: int, block: int) -> None:
@@ -280,8 +278,7 @@ def prefill_all(engine, requests) -> None:
 
 
 def run(engine, requests, script, feed=True):
-    engine.scheduler.policy = Scripted(script)
-    engine.scheduler.policy.feed = feed
+    engine.scheduler.policy = Scripted(script, feed)
     for r in requests:
         engine.submit(r)
     drafts = []

@@ -145,8 +145,7 @@ def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(
     reference, alone and next to a fed row."""
     requests = [Request(prompts[5], 24), Request(prompts[6], 24, RowSpec(Sampling(0.8), seed=4))]
     expected = reference(requests[0].prompt, 24)
-    engine.scheduler.policy = Scripted((PLAIN,))
-    engine.scheduler.policy.feed = False
+    engine.scheduler.policy = Scripted((PLAIN,), feed=False)
     x = engine.executor
     before = jax.tree.map(np.asarray, x.pool.drafter)
     prefill_all(engine, requests)
@@ -155,8 +154,7 @@ def test_rows_not_fed_the_drafter_give_the_greedy_tokens_and_draw_drafts_from_q(
         row, n = r.slot, len(r.prompt)
         assert int(x.state.drafted_B[row]) == n - 1 < int(x.state.length_B[row])  # waits at the prompt's end
         assert_drafter_cache_kept(x, before, row, n, CONFIG.block)  # no chunk wrote it, not even the last position
-    engine.scheduler.policy = Scripted((CHAIN, PLAIN))
-    engine.scheduler.policy.feed = False
+    engine.scheduler.policy = Scripted((CHAIN, PLAIN), feed=False)
     engine.step()  # the chain's catch-up drafts from the prompt's last position on
     assert not any(r.finished for r in requests)
     for r in requests:

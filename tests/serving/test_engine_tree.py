@@ -81,8 +81,7 @@ def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair,
         assert [r.tokens for r in greedy] == [reference(r.prompt, r.max_tokens) for r in greedy]
     unfed = [Request(prompts[5], 14), Request(prompts[1], 12)]  # the drafter prefilled over the last position only
     before = jax.tree.map(np.asarray, engine.executor.pool.drafter)
-    engine.scheduler.policy = Scripted((tree, plain))
-    engine.scheduler.policy.feed = False
+    engine.scheduler.policy = Scripted((tree, plain), feed=False)
     prefill_all(engine, unfed)
     for r in unfed:
         assert_drafter_cache_kept(engine.executor, before, r.slot, len(r.prompt) - 1, CONFIG.block)
