@@ -41,18 +41,17 @@ after a few segments). Learning what a shape costs costs time where it loses, so
   less often it is tried.
 A row is fed the drafter at prefill (`feeds_drafter`) only where a chain is predicted at FEED x plain decoding's
 throughput or more, in its prompt's context range, at the row bucket that will serve it (the rows generating or queued
-when it is admitted, itself included: at the nearest bucket where both were timed), with an acceptance measured on
-this server's traffic: a recorded one (`prior`) chooses shapes, but never feeds a row. Else its prefill runs no
-drafter at all (a chain that later runs on the row drafts from the prompt's last position on: the drafter-alone step
-at prefill took 8.7% of a prefill program over 8 unfed rows). The drafter's prefill over the whole prompt is a cost
-paid for chains
-(`python benchmarks/serve_feed.py`, bundled pair, 128-token prompts: 13-14% of a prompt's prefill; a long prompt's
-prefill is most of its request's time), for about 6% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval,
-4.17 against 3.92 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position:
-0.93 on the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then
-lost. Chains on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance, which a
-re-measuring chain then also sees; so every FEED_EVERY-th admission is fed all the same, and chains keep measuring
-the drafter as it is on traffic that changes.
+when it is admitted, itself included: at the nearest bucket where both were timed), with an acceptance measured on this
+server's traffic: a recorded one (`prior`) chooses shapes, but never feeds a row. Else its prefill runs no drafter at
+all (a chain that later runs on the row drafts from the prompt's last position on: the drafter-alone step at prefill
+took 8.7% of a prefill program over 8 unfed rows). The drafter's prefill over the whole prompt is a cost paid for chains
+(`python benchmarks/serve_feed.py`, bundled pair, 128-token prompts: 16-18% of a fed prompt's prefill; a long prompt's
+prefill is most of its request's time), for 3-7% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval, 4.17
+against 4.04 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on
+the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains
+on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance, which a re-measuring
+chain then also sees; so every FEED_EVERY-th admission is fed all the same, and chains keep measuring the drafter as it
+is on traffic that changes.
 """
 
 from __future__ import annotations
