@@ -78,25 +78,13 @@ class Clients:
         return [r.tokens for r in self.requests]
 
 
-class Pinned:
-    """A DraftPolicy stand-in: every segment drafts `shape`, every row fed the drafter at prefill or none (`feed`)."""
-
-    predicted, probing = None, False
-
-    def __init__(self, shape, feed: bool):
-        self.shape, self.feed = shape, feed
-
-    def choose(self, rows: int, generating: int, context: int = 0):
-        return self.shape
-
-    def observe(self, segment, counters, seconds, context: int = 0) -> None:
-        pass
-
-    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
-        return self.feed
-
-    def admitted(self, fed: bool) -> None:
-        pass
+def acceptance(delta) -> dict:
+    """What a loop's counters counted over a span (`Counters.minus`): accepted drafts per row-cycle and the
+    conditional acceptance a_j per draft position (None where never reached)."""
+    hist = np.asarray(delta.accept_hist, np.float64)
+    reached, accepted = np.asarray(delta.reached, np.float64), np.asarray(delta.accepted, np.float64)
+    a_j = [round(float(a / r), 3) if r else None for a, r in zip(accepted, reached, strict=True)]
+    return {"accepted_per_cycle": float(hist @ np.arange(len(hist)) / max(hist.sum(), 1)), "a_j": a_j}
 
 
 def report(output: Path, record: dict, title: str, note: str, table: list[str]) -> None:

@@ -4,7 +4,7 @@ that are not (`DraftPolicy.feeds_drafter`), in-process, in lockstep.
 An adaptive engine drafts from the drafter's cache, which prefill fills over the whole prompt for a fed row; for an
 unfed one the first chain segment runs the drafter from the prompt's last position on (spec_loop's
 `_prompt_extend`). Two engines over the bundled pair (8 slots, batch buckets 1 and 8, 256 positions), their policy
-pinned to the k = 4 chain (serve_engine.py's `Pinned`), one feeding every row and one none, serve the same greedy
+pinned to the k = 4 chain (adaptive.py's `Scripted`), one feeding every row and one none, serve the same greedy
 requests one at a time (c = 1): per prompt set, the drafter's conditional acceptance a_j per draft position and the
 tokens per cycle E the chain reached on each, the tokens/s of --max-tokens-token requests, and the seconds of the
 prompts' prefill alone (the same prompts as 1-token requests). Same tokens asserted (greedy output does not
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import prompt_sets  # this directory (run as a script)
-from serve_engine import Clients, Pinned, lockstep, report
+from serve_engine import Clients, acceptance, lockstep, report
 
 ROOT = Path(__file__).resolve().parent.parent
 SETS = {"humaneval": 16, "held-out": 15}  # the held-out files give 15 distinct prompts
@@ -40,9 +40,8 @@ def serve(engines: dict, prompts, max_tokens: int, order) -> dict:
 
 def chain_figures(delta) -> dict:
     """The conditional acceptance a_j per draft position and the tokens per row-cycle E a segment's counters hold."""
-    hist = np.asarray(delta.accept_hist, np.float64)
-    a = np.asarray(delta.accepted, np.float64) / np.maximum(np.asarray(delta.reached, np.float64), 1)
-    return {"a_j": [round(float(x), 3) for x in a], "E": float(hist @ np.arange(1, len(hist) + 1) / hist.sum())}
+    counted = acceptance(delta)
+    return {"a_j": counted["a_j"], "E": 1 + counted["accepted_per_cycle"]}
 
 
 def main() -> None:
@@ -53,6 +52,7 @@ def main() -> None:
     args = p.parse_args()
     from jaxspec import bundled
     from jaxspec.decoding import DraftShape
+    from jaxspec.serving.adaptive import Scripted
     from jaxspec.serving.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = bundled.load_pair()
@@ -61,7 +61,7 @@ def main() -> None:
     for name, feed in (("fed", True), ("unfed", False)):
         engines[name] = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
         engines[name].warmup(lambda _: None)
-        engines[name].scheduler.policy = Pinned(DraftShape(4), feed)
+        engines[name].scheduler.policy = Scripted((DraftShape(4),), feed)
     order, results, load_before = np.random.default_rng(0), {}, os.getloadavg()
     serve(engines, prompt_sets.load("humaneval", tokenizer, 4, max_tokens=args.prompt_tokens).ids, 8, order)  # warm
     for name, count in SETS.items():
@@ -87,7 +87,7 @@ def main() -> None:
         fed, unfed = r["fed"], r["unfed"]
         ratio = ", ".join(f"{unfed[k] / fed[k]:.3f}" for k in ("E", "tok_s", "prefill_s"))
         for e, m in r.items():
-            a = ", ".join(f"{x:.2f}" for x in m["a_j"])
+            a = ", ".join("-" if x is None else f"{x:.2f}" for x in m["a_j"])
             tail = ratio if e == "unfed" else ""
             table.append(f"| {name} | {e} | {a} | {m['E']:.2f} | {m['tok_s']:.0f} | {m['prefill_s']:.3f} | {tail} |")
     title = "Feeding the drafter a prompt: a k = 4 chain on fed rows vs unfed rows"

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from serve_engine import Clients, Pinned, lockstep, report  # this directory (run as a script)
+from serve_engine import Clients, lockstep, report  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,6 +34,7 @@ def main() -> None:
     args = p.parse_args()
     from jaxspec import bundled
     from jaxspec.decoding import DraftShape
+    from jaxspec.serving.adaptive import Scripted
     from jaxspec.serving.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = bundled.load_pair(int4_experts=args.int4_experts)
@@ -50,7 +51,7 @@ def main() -> None:
     }
     for e in engines.values():
         e.warmup(lambda _: None)
-    engines["auto, plain only"].scheduler.policy = Pinned(DraftShape(0), feed=False)
+    engines["auto, plain only"].scheduler.policy = Scripted((DraftShape(0),), feed=False)
     order, totals = np.random.default_rng(0), {}
     load_before = os.getloadavg()
     for c in (1, 8):

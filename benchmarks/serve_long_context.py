@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import prompt_sets  # this directory (run as a script)
-from serve_engine import Clients, load_text, lockstep
+from serve_engine import Clients, acceptance, load_text, lockstep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,15 +69,6 @@ def long_prompts(tokenizer, length: int, count: int) -> list[list[int]]:
     return prompts
 
 
-def acceptance(before, after) -> dict:
-    """Accepted drafts per row-cycle and the conditional acceptance a_j over what the loop counted in between."""
-    d = after.minus(before)
-    hist = np.asarray(d.accept_hist, np.float64)
-    reached, accepted = np.asarray(d.reached, np.float64), np.asarray(d.accepted, np.float64)
-    a_j = [round(float(a / r), 3) if r else None for a, r in zip(accepted, reached, strict=True)]
-    return {"accepted_per_cycle": float(hist @ np.arange(len(hist)) / max(hist.sum(), 1)), "a_j": a_j}
-
-
 def serve_range(engines: dict, prompts, args, order) -> dict:
     """The three engines serving one load in lockstep: their tokens/s, the chain's acceptance, auto's segments."""
     before = engines["k=4"].executor.counters()
@@ -93,7 +84,7 @@ def serve_range(engines: dict, prompts, args, order) -> dict:
     return {
         "tok_s": rates,
         "auto_over_best": rates["auto"] / best,
-        "chain": acceptance(before, engines["k=4"].executor.counters()),
+        "chain": acceptance(engines["k=4"].executor.counters().minus(before)),
         "auto_segments": dict(clients["auto"].segments),
     }
 

@@ -57,6 +57,7 @@ is on traffic that changes.
 from __future__ import annotations
 
 import collections
+import itertools
 
 import numpy as np
 
@@ -288,6 +289,29 @@ class DraftPolicy:
         recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
         recent.append(seconds_per_cycle)
         self.cycle_seconds[key] = float(np.median(recent))
+
+
+class Scripted:
+    """A policy that decides nothing: each segment runs the next of `shapes` (in a cycle), and every admitted row is
+    fed the drafter at prefill or none is (`feed`). What tests and benchmarks pin an engine to (e.g. plain decoding
+    and no feeding, for what auto costs when it always chooses plain)."""
+
+    predicted, probing = None, False
+
+    def __init__(self, shapes: tuple[DraftShape, ...], feed: bool = True):
+        self.shapes, self.feed = itertools.cycle(shapes), feed
+
+    def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
+        return next(self.shapes)
+
+    def observe(self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0) -> None:
+        pass
+
+    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
+        return self.feed
+
+    def admitted(self, fed: bool) -> None:
+        pass
 
 
 class Calibration:

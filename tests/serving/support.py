@@ -15,6 +15,7 @@ import time
 import httpx
 
 from jaxspec.decoding import DraftShape
+from jaxspec.serving.adaptive import Scripted  # noqa: F401 (the tests' scripted policy)
 from jaxspec.serving.engine import EngineConfig
 from jaxspec.serving.plan import Counters, RowAdmission, RowResult, Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import Scheduler
@@ -233,28 +234,6 @@ def expected_text(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, int
         if hits:
             return text[: min(hits)], k
     return tokenizer.decode(text_ids), len(ids)
-
-
-# ------------------------------------------------- a scripted draft policy (test_adaptive, test_engine_tree)
-class Scripted:
-    """A DraftPolicy stand-in: the segments' shapes in a fixed cycle; admitted rows fed the drafter or not (`feed`)."""
-
-    predicted, probing = None, False
-
-    def __init__(self, shapes, feed: bool = True):
-        self.shapes, self.feed = itertools.cycle(shapes), feed
-
-    def choose(self, rows, generating, context):
-        return next(self.shapes)
-
-    def observe(self, segment, counters, seconds, context):
-        pass
-
-    def feeds_drafter(self, context, rows=None):
-        return self.feed
-
-    def admitted(self, fed):
-        pass
 
 
 def assert_drafter_cache_kept(executor, before, row: int, upto: int, block: int) -> None:

@@ -79,7 +79,7 @@ def test_an_adaptive_tree_engine_switches_with_plain_decoding_on_one_state(pair,
         drafts = run(engine, greedy, script)
         assert {plain, tree} <= set(drafts)
         assert [r.tokens for r in greedy] == [reference(r.prompt, r.max_tokens) for r in greedy]
-    unfed = [Request(prompts[5], 14), Request(prompts[1], 12)]  # the drafter prefilled over the last position only
+    unfed = [Request(prompts[5], 14), Request(prompts[1], 12)]  # no drafter at prefill: a tree later catches it up
     before = jax.tree.map(np.asarray, engine.executor.pool.drafter)
     engine.scheduler.policy = Scripted((tree, plain), feed=False)
     prefill_all(engine, unfed)
