@@ -1,11 +1,14 @@
 """The target against HF transformers' DeepseekV3ForCausalLM (PyTorch CPU), loaded from the same safetensors."""
 
+import collections
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from jaxspec import load_target
+from jaxspec import KimiConfig, Target, load_target
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
 
@@ -68,3 +71,48 @@ def test_bf16_error_is_no_worse_than_hf_bf16(hf_checkpoint, kind, record_propert
     record_property("routing_flips_hf_bf16_vs_fp32", flips)
     print(f"[{kind}] bf16 rel err: jaxspec {ours:.4f}, HF {hf_err:.4f}; HF routing flips bf16 vs fp32: {flips}")
     assert ours <= 1.5 * hf_err + 0.01
+
+
+def _primitives(jaxpr) -> collections.Counter:
+    """Primitive names in `jaxpr` and every jaxpr nested in it (jit wrappers themselves not counted)."""
+    counts = collections.Counter()
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += eqn.primitive.name != "jit"
+        for v in eqn.params.values():
+            if hasattr(v, "eqns") or hasattr(v, "jaxpr"):
+                counts += _primitives(getattr(v, "jaxpr", v))
+    return +counts
+
+
+def _scan_bodies(jaxpr) -> list[collections.Counter]:
+    """`_primitives` of each outermost `scan` body in `jaxpr` and the jaxprs nested in it."""
+    bodies = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            bodies.append(_primitives(eqn.params["jaxpr"].jaxpr))
+            continue
+        for v in eqn.params.values():
+            if hasattr(v, "eqns") or hasattr(v, "jaxpr"):
+                bodies += _scan_bodies(getattr(v, "jaxpr", v))
+    return bodies
+
+
+def test_capture_costs_each_layer_one_write():
+    """A captured forward's layer scans run what an uncaptured one runs plus one in-place write per layer: no work
+    on the layer id to find its slot (that was the K=0 tax of adaptive serving: docs/serving.md)."""
+    target = Target.random(KimiConfig.preset("tiny"), dtype=jnp.float32, seed=1)
+    cache = target.init_cache(2, 32)
+    tokens, pos = jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 3, jnp.int32)
+    L = target.config.num_hidden_layers
+    trace = lambda capture: jax.make_jaxpr(
+        lambda p, c: target.apply(p, tokens, pos, c, capture=capture, head="argmax")
+    )(target.params, cache)
+    plain, captured = _scan_bodies(trace(()).jaxpr), _scan_bodies(trace((0, L - 1)).jaxpr)
+    carry, x = jnp.zeros((3, 2, 1, target.config.hidden_size)), jnp.zeros((2, 1, target.config.hidden_size))
+    one_write = jax.make_jaxpr(lambda c, i: jax.lax.dynamic_update_index_in_dim(c, x, i, 0))(carry, jnp.int32(1))
+    write = _primitives(one_write.jaxpr)
+    assert len(plain) == len(captured) >= 2  # one scan per stack (dense, MoE), as the capture's slots assume
+    for a, b in zip(plain, captured, strict=True):
+        extra = b - a
+        del extra["pvary"]  # shard_map's varying-axis annotations: nothing runs
+        assert extra == write, extra
