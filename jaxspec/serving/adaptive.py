@@ -26,10 +26,15 @@ after compiling it, a calibration measurement standing for FIRST online ones; a 
 calibration scaled by how much the shapes timed online moved from theirs), and the drafter's recorded acceptance
 (`prior`: tune.json's measured a_j, worth PRIOR_ROW_CYCLES row-cycles of counters, which the online counters outweigh
 after a few segments). Learning what a shape costs costs time where it loses, so:
-- a chain whose acceptance nothing has measured or given runs first (one drafting segment measures it; where its
-  cycle time is known, the warm-up's, a probe of one cycle: `probing`, a segment that is timed as no other); a chain
-  chosen on a recorded acceptance alone runs a probe too, so that a prior of other prompts costs one cycle where the
-  traffic disagrees (on HumanEval the bundled chain's first segment over 8 rows took 2.7x a plain one's);
+- a draft position whose acceptance nothing has measured or given is predicted accepted UNKNOWN_ACCEPTANCE of the
+  time (the mean of a uniform prior on it), so a drafter with no recorded acceptance is tried first only where that
+  predicts it to win (on the bundled target over 1 row, not over 8), and elsewhere explored like any candidate
+  predicted to lose (below): its first measure costing the stated share, not a whole first segment (a probe over 8
+  rows of a drafter that accepts nothing took 31 ms where a plain segment of 4 cycles took 17, in a fresh server's
+  load of about 0.9 s);
+- a chain chosen before its acceptance was measured on this traffic (on a recorded or unknown acceptance) runs a probe
+  of one cycle (`probing`, a segment that is timed as no other), so that a prior of other prompts costs one cycle where
+  the traffic disagrees (on HumanEval the bundled chain's first segment over 8 rows took 2.7x a plain one's);
 - a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there (and not calibrated)
   runs again unless it is predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING
   times too slow to hide the fastest shape); the candidates timed fewest times run first, so their measurements
@@ -50,8 +55,11 @@ prefill is most of its request's time), for 3-7% more tokens per chain cycle (E 
 against 4.04 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on
 the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains
 on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance, which a re-measuring
-chain then also sees; so every FEED_EVERY-th admission is fed all the same, and chains keep measuring the drafter as it
-is on traffic that changes.
+chain then also sees; so once a chain has measured the drafter on this traffic, every FEED_EVERY-th admission is fed
+all the same, and chains keep measuring the drafter as it is on traffic that changes. (Not before: until then no chain
+runs but a first one, at once where one is predicted to win, else after seconds of exploring's wait, which a row fed
+now would not live to see; on a fresh server with a drafter that accepts nothing, the 16th request's prefill fed for
+no chain was 1.8% of the load at 8 rows.)
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ FEED_EVERY = 16  # ... and then every FEED_EVERY-th admission all the same (a fe
 # 1.25x an unfed one's on the bundled pair, so this costs ~1.5% of prefill where no chain pays: under the 2% share
 # that exploring takes; a drafter of 1 layer beside a 61-layer target makes it nothing)
 PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
+UNKNOWN_ACCEPTANCE = 0.5  # a_j predicted at a draft position nothing has measured or given
 CONTEXT_RANGE = 256  # the first context range's longest live length; each next range is 4x longer
 
 
@@ -158,7 +167,8 @@ class DraftPolicy:
             return None
         key = (shape.num_steps, context_range(context))
         if key not in self._expected:  # once per depth and range between observations (the scheduler's per step)
-            self._expected[key] = expected_tokens(self.acceptance(context), shape.num_steps)
+            a = np.nan_to_num(self.acceptance(context), nan=UNKNOWN_ACCEPTANCE)
+            self._expected[key] = expected_tokens(a, shape.num_steps)
         return generating * self._expected[key] / t
 
     def _cycle(self, shape: DraftShape, rows: int, span: int) -> float | None:
@@ -187,13 +197,11 @@ class DraftPolicy:
         timed = {s: sum(len(d) for (x, b, _), d in self._recent.items() if (x, b) == (s, rows)) for s in self.shapes}
         predicted = {s: self.predict(s, rows, generating, context) for s in self.shapes if timed[s]}
         best = max(predicted.values(), default=None)
-        unmeasured = not self.reached.any()  # no chain's acceptance measured or given
+        close = lambda s: predicted[s] >= LOSING * best
         learning = [
             s
             for s in self.shapes
-            if not timed[s]
-            or (unmeasured and not s.plain)
-            or (timed[s] < FIRST and (s, rows) not in self._calibrated and predicted[s] >= LOSING * best)
+            if not timed[s] or (timed[s] < FIRST and (s, rows) not in self._calibrated and close(s))
         ]
         if learning:
             shape = min(learning, key=timed.get)  # the first of the fewest timed
@@ -211,9 +219,9 @@ class DraftPolicy:
     def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
         """Whether a row admitted now, its prompt `context` tokens long, served beside others in a bucket of `rows`
         rows in all (None: at any bucket), is fed the drafter at prefill: where a chain measured on this traffic is
-        predicted at FEED x plain decoding or more there, or the last FEED_EVERY - 1 admissions (`admitted`) were
-        not fed."""
-        return self._drafter_pays(context, rows) or self._unfed >= FEED_EVERY - 1
+        predicted at FEED x plain decoding or more there, or a chain has measured the drafter on this traffic and the
+        last FEED_EVERY - 1 admissions (`admitted`) were not fed."""
+        return self._drafter_pays(context, rows) or (self._measured_online and self._unfed >= FEED_EVERY - 1)
 
     def admitted(self, fed: bool) -> None:
         """A row was admitted, fed the drafter at prefill or not."""

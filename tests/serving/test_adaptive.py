@@ -19,6 +19,7 @@ from jaxspec.serving.adaptive import (
     FEED_EVERY,
     FIRST,
     LOSING,
+    UNKNOWN_ACCEPTANCE,
     DraftPolicy,
     context_range,
 )
@@ -286,16 +287,29 @@ def test_a_shape_timed_at_warm_up_alone_moves_with_the_shapes_timed_online():
     assert policy.cycle_seconds[CHAIN, 2, 0] == pytest.approx(0.035)
 
 
-def test_a_calibrated_policy_without_a_recorded_acceptance_drafts_once_to_measure_it():
-    """Times known, acceptance not: the chain runs a probe of one cycle (its acceptance measured; its time, mostly
-    what a segment pays once, not taken for a cycle's), then the predicted best."""
+@pytest.mark.parametrize("chain_cost", [1.5, 2.5])
+def test_a_calibrated_policy_without_a_recorded_acceptance_predicts_each_draft_half_accepted(chain_cost):
+    """Times known, acceptance not: each draft position is predicted accepted UNKNOWN_ACCEPTANCE of the time. Where
+    that predicts the chain to win, it runs first, as a probe of one cycle (its acceptance measured; its time, mostly
+    what a segment pays once, not taken for a cycle's); where it predicts the chain to lose, plain decoding runs and
+    the chain's probe waits until the time spent without it reaches its segment's time / x / EXPLORE_SHARE, as any
+    losing candidate's exploring does (x = its predicted throughput / plain decoding's). Then the measured best."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
     policy.calibrate(PLAIN, 2, 0.01)
-    policy.calibrate(CHAIN, 2, 0.02)
-    assert policy.choose(2, 2) == CHAIN and policy.probing
+    policy.calibrate(CHAIN, 2, 0.01 * chain_cost)
+    x = (1 + sum(UNKNOWN_ACCEPTANCE ** (j + 1) for j in range(NUM_STEPS))) / chain_cost
+    assert policy.predict(CHAIN, 2, 2) == pytest.approx(x * policy.predict(PLAIN, 2, 2))
+    plain_segments = 0
+    while policy.choose(2, 2) == PLAIN:
+        assert not policy.probing and plain_segments < 1000
+        loop.run(policy, PLAIN, 0.01, accepted=0)
+        plain_segments += 1
+    assert policy.probing  # the chain's first segment, whenever it comes: one cycle
+    wait = 4 * 0.01 * chain_cost / x / EXPLORE_SHARE  # seconds without the chain before it is explored
+    assert plain_segments == 0 if x > 1 else (plain_segments - 1) * 0.04 < wait <= plain_segments * 0.04
     loop.run(policy, CHAIN, 0.5, accepted=0, cycles=1)
     assert policy.choose(2, 2) == PLAIN and not policy.probing
-    assert policy.cycle_seconds[CHAIN, 2, 0] == 0.02
+    assert policy.cycle_seconds[CHAIN, 2, 0] == 0.01 * chain_cost
     with pytest.raises(ValueError, match="DraftPolicy.calibrate"):
         policy.calibrate(DraftShape(NUM_STEPS + 1), 2, 0.01)
 
@@ -307,7 +321,8 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
     policy = engine.scheduler.policy
     assert set(policy.cycle_seconds) == {(s, b, 0) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
     assert all(t > 0 for t in policy.cycle_seconds.values())
-    assert not policy.reached.any() and policy.choose(2, 2) == CHAIN
+    assert not policy.reached.any()
+    assert policy.choose(2, 2) == max((PLAIN, CHAIN), key=lambda s: policy.predict(s, 2, 2))
 
 
 @pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 3.0), (0, 1.5), (1, 2.5)])
@@ -331,13 +346,17 @@ def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time(ac
 
 @pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 2.0), (1, 2.2), (0, 1.1), (1, 1.8), (3, 2.0)])
 def test_rows_are_fed_the_drafter_where_a_chain_measured_on_the_traffic_pays(accepted, chain_cost):
-    """No row is fed the drafter at prefill before a chain has counted acceptance online (but every FEED_EVERY-th);
-    then unless the chain is predicted below FEED x plain decoding at every bucket where both are timed (then every
-    FEED_EVERY-th admission all the same; one bucket where it is not below: fed again)."""
+    """No row is fed the drafter at prefill before a chain has counted acceptance online (not even every
+    FEED_EVERY-th: no chain would serve it); then unless the chain is predicted below FEED x plain decoding at every
+    bucket where both are timed (then every FEED_EVERY-th admission all the same; one bucket where it is not below:
+    fed again)."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
     assert not policy.feeds_drafter()
     loop.run(policy, PLAIN, 0.01, accepted)
-    assert not policy.feeds_drafter()
+    for _ in range(2 * FEED_EVERY):
+        assert not policy.feeds_drafter()
+        policy.admitted(False)
+    policy.admitted(True)  # (the count restarts: as if the chain's first measure came with a fed row)
     loop.run(policy, CHAIN, 0.01 * chain_cost, accepted)
     pays = (1 + accepted) / chain_cost >= FEED
     asked = [policy.feeds_drafter() for _ in range(2 * FEED_EVERY)]  # asking admits nothing: no answer changes
@@ -356,8 +375,8 @@ def test_rows_are_fed_the_drafter_where_a_chain_measured_on_the_traffic_pays(acc
 def test_a_recorded_acceptance_chooses_shapes_but_feeds_no_row():
     """With tune.json's acceptance (`prior`) and warm-up times, the first segment runs the chain the prior predicts
     fastest, but rows are fed only once a chain has measured the drafter on this traffic (a recorded acceptance is of
-    other prompts: on HumanEval the bundled drafter accepts half what the held-out prompts give); every
-    FEED_EVERY-th admission is fed all the same."""
+    other prompts: on HumanEval the bundled drafter accepts half what the held-out prompts give), and not every
+    FEED_EVERY-th admission either before then."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
     policy.calibrate(PLAIN, 2, 0.01)
     policy.calibrate(CHAIN, 2, 0.02)
@@ -367,7 +386,7 @@ def test_a_recorded_acceptance_chooses_shapes_but_feeds_no_row():
     for _ in range(FEED_EVERY):
         fed.append(policy.feeds_drafter(rows=2))
         policy.admitted(fed[-1])
-    assert fed == [False] * (FEED_EVERY - 1) + [True]
+    assert fed == [False] * FEED_EVERY
     loop.run(policy, CHAIN, 0.02, NUM_STEPS)
     assert policy.feeds_drafter(rows=2)
 
@@ -453,16 +472,17 @@ TREE = DraftShape(NUM_STEPS, topk=2, num_draft_tokens=6)
 @pytest.mark.parametrize(("accepted", "tree_cost", "best"), [(3, 3.0, TREE), (1, 3.0, PLAIN), (2, 2.5, TREE)])
 def test_a_tree_is_a_candidate_beside_plain_decoding_with_its_own_acceptance(accepted, tree_cost, best):
     """With a tree compiled (`--num-steps auto --topk N`) the candidates are plain decoding and the tree (a chain
-    keeps another draft state: not beside a tree). Without a recorded acceptance the tree runs one segment to measure
-    its own a_j per depth; then the cost model's n E / T: a tree accepting `accepted` nodes per cycle yields
-    accepted + 1 tokens per cycle at `tree_cost` times a plain cycle."""
+    keeps another draft state: not beside a tree). Without a recorded acceptance the tree is predicted as a chain is
+    (UNKNOWN_ACCEPTANCE per depth); once a segment measured its own a_j per depth, the cost model's n E / T: a tree
+    accepting `accepted` nodes per cycle yields accepted + 1 tokens per cycle at `tree_cost` times a plain cycle."""
     with pytest.raises(ValueError, match="DraftPolicy.shapes"):
         DraftPolicy((PLAIN, CHAIN, TREE), cycles=4)
     policy, loop = DraftPolicy((PLAIN, TREE), cycles=4), Loop()
     policy.calibrate(PLAIN, 2, 0.01)
     policy.calibrate(TREE, 2, 0.01 * tree_cost)
-    assert policy.choose(2, 2) == TREE
-    loop.run(policy, TREE, 0.01 * tree_cost, accepted)
+    unknown = 1 + sum(UNKNOWN_ACCEPTANCE ** (j + 1) for j in range(TREE.num_steps))
+    assert policy.choose(2, 2) == (TREE if unknown > tree_cost else PLAIN)
+    loop.run(policy, TREE, 0.01 * tree_cost, accepted)  # the tree's first segment (first, or when explored)
     assert policy.choose(2, 2) == best
     tokens, cost = (1 + accepted, tree_cost) if best.tree else (1, 1)
     assert policy.predicted == pytest.approx(2 * tokens / (0.01 * cost))
