@@ -8,10 +8,11 @@ shape over live rows of every bucket, and with the bundled pair it starts from t
 `jaxspec serve` does). c clients then send 16 greedy requests of --max-tokens tokens in all (16 / c each, one after
 the other), the three engines served in lockstep (serve_engine.py's `lockstep`: one step each in a shuffled order,
 so other work on this shared machine falls on every engine alike); tokens/s is each engine's tokens over its own
-steps' seconds, from its first request. Cases: the bundled pair, and the bundled target with a scrambled drafter
-(serve_adaptive.py's `scrambled`: it accepts almost nothing; no tune.json, so no recorded acceptance). Every engine
-of a case must produce the same tokens (asserted: greedy output does not depend on the draft). Prompts: --prompt-set
-(prompt_sets.py; default 16 HumanEval prompts of at most 128 tokens).
+steps' seconds, from its first request. Each case and concurrency runs in a process of its own, as a server starts
+in one (until 2026-12-05 they ran one after another in one process). Cases: the bundled pair, and the bundled target
+with a scrambled drafter (serve_adaptive.py's `scrambled`: it accepts almost nothing; no tune.json, so no recorded
+acceptance). Every engine of a case must produce the same tokens (asserted: greedy output does not depend on the
+draft). Prompts: --prompt-set (prompt_sets.py; default 16 HumanEval prompts of at most 128 tokens).
 
     python benchmarks/serve_fresh.py      # writes benchmarks/results/serve_fresh.{json,md}
 """
@@ -22,6 +23,8 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,51 +36,34 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 16
 
 
+CASES = ("bundled pair", "poor drafter")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_fresh.json")
     p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
+    p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process (the children)
+    p.add_argument("--concurrency", type=int, choices=(1, 8), help=argparse.SUPPRESS)
     prompt_sets.add_arguments(p, count=16, max_tokens=128)  # + --max-tokens: inside the 256 positions of a slot
     args = p.parse_args()
-    from jaxspec import bundled
-    from jaxspec.cli.serve import _recorded_acceptance
-    from jaxspec.decoding import DraftShape
-    from jaxspec.serving.engine import Engine, EngineConfig
-
-    target, drafter, tokenizer = bundled.load_pair(int4_experts=args.int4_experts)
-    prompt_set = prompt_sets.from_args(args, tokenizer)
-    prompts = prompt_set.ids
-    tune = ROOT / "benchmarks" / "results" / "tune_bundled" / "tune.json"
-    config = EngineConfig(max_batch=8, max_context=256, draft=DraftShape(4), batch_buckets=(1, 8))
-    cases = {"bundled pair": (drafter, _recorded_acceptance(tune)), "poor drafter": (scrambled(drafter), None)}
-    order, results = np.random.default_rng(0), {}
-    load_before = os.getloadavg()
-    for case, (d, acceptance) in cases.items():
+    if args.case:
+        print(json.dumps(run_case(args, args.case, args.concurrency)), flush=True)
+        return
+    results, load_before = {}, os.getloadavg()
+    for case in CASES:
         for c in (1, 8):
-            stop = tokenizer.stop_ids
-            engines = {
-                "k=4": Engine(target, d, config, stop_ids=stop),
-                "plain": Engine(target, None, dataclasses.replace(config, draft=DraftShape(0)), stop_ids=stop),
-                "auto": Engine(
-                    target, d, dataclasses.replace(config, adaptive=True), stop_ids=stop, acceptance=acceptance
-                ),
-            }
-            for e in engines.values():
-                e.warmup(lambda _: None)
-            clients = {name: Clients(e, prompts, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
-            lockstep(clients, order)
-            tokens = {name: client.tokens for name, client in clients.items()}
-            assert tokens["auto"] == tokens["k=4"] == tokens["plain"], f"{case} c={c}: the engines' tokens differ"
-            loops = prompt_sets.output_loops([list(map(int, t)) for t in tokens["plain"]])
-            rates = {name: client.rate for name, client in clients.items()}
-            better = max(rates["k=4"], rates["plain"])
-            results[f"{case} c={c}"] = {"tok_s": rates, "auto_over_better": rates["auto"] / better}
-            print(case, c, json.dumps(results[f"{case} c={c}"]), flush=True)
+            argv = [sys.executable, __file__, *sys.argv[1:], "--case", case, "--concurrency", str(c)]
+            out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout
+            child = json.loads(out.strip().splitlines()[-1])
+            loops, prompt_set = child.pop("output_loops"), child.pop("prompt_set")
+            results[f"{case} c={c}"] = child
+            print(case, c, json.dumps(child), flush=True)
     record = {
         "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens} "
         f"--int4-experts {args.int4_experts} {prompt_sets.flags(args)}",
-        **prompt_set.describe(),
+        **prompt_set,
         "output_loops": loops,  # recorded, not refused: every engine serves the same tokens
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
@@ -88,8 +74,9 @@ def main() -> None:
     lines = [
         "# A fresh server's first requests: auto vs a fixed chain and plain decoding",
         "",
-        f"Written by `{record['command']}` ({REQUESTS} requests per case and concurrency, each engine new). CPU only, "
-        f"the project's shared {record['cpus']}-core machine: {load_text(load_before, record['load_average_after'])}.",
+        f"Written by `{record['command']}` ({REQUESTS} requests per case and concurrency, each in a process of its "
+        f"own, each engine new). CPU only, the project's shared {record['cpus']}-core machine: "
+        f"{load_text(load_before, record['load_average_after'])}.",
         "",
         "| case | k=4 tok/s | plain tok/s | auto tok/s | auto / the better |",
         "|---|---|---|---|---|",
@@ -98,6 +85,39 @@ def main() -> None:
         m = r["tok_s"]
         lines.append(f"| {name} | {m['k=4']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {r['auto_over_better']:.3f} |")
     args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def run_case(args, case: str, c: int) -> dict:
+    """One case at concurrency `c`: its three engines built, warmed up and served in lockstep in this process."""
+    from jaxspec import bundled
+    from jaxspec.cli.serve import _recorded_acceptance
+    from jaxspec.decoding import DraftShape
+    from jaxspec.serving.engine import Engine, EngineConfig
+
+    target, drafter, tokenizer = bundled.load_pair(int4_experts=args.int4_experts)
+    prompt_set = prompt_sets.from_args(args, tokenizer)
+    tune = ROOT / "benchmarks" / "results" / "tune_bundled" / "tune.json"
+    config = EngineConfig(max_batch=8, max_context=256, draft=DraftShape(4), batch_buckets=(1, 8))
+    d, acceptance = (drafter, _recorded_acceptance(tune)) if case == "bundled pair" else (scrambled(drafter), None)
+    stop = tokenizer.stop_ids
+    engines = {
+        "k=4": Engine(target, d, config, stop_ids=stop),
+        "plain": Engine(target, None, dataclasses.replace(config, draft=DraftShape(0)), stop_ids=stop),
+        "auto": Engine(target, d, dataclasses.replace(config, adaptive=True), stop_ids=stop, acceptance=acceptance),
+    }
+    for e in engines.values():
+        e.warmup(lambda _: None)
+    clients = {name: Clients(e, prompt_set.ids, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
+    lockstep(clients, np.random.default_rng(0))
+    tokens = {name: client.tokens for name, client in clients.items()}
+    assert tokens["auto"] == tokens["k=4"] == tokens["plain"], f"{case} c={c}: the engines' tokens differ"
+    rates = {name: client.rate for name, client in clients.items()}
+    return {
+        "tok_s": rates,
+        "auto_over_better": rates["auto"] / max(rates["k=4"], rates["plain"]),
+        "output_loops": prompt_sets.output_loops([list(map(int, t)) for t in tokens["plain"]]),
+        "prompt_set": prompt_set.describe(),
+    }
 
 
 if __name__ == "__main__":
