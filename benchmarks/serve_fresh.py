@@ -37,6 +37,7 @@ REQUESTS = 16
 
 
 CASES = ("bundled pair", "poor drafter")
+CONCURRENCY = (1, 8)  # clients per case (the batch buckets: 1 and 8 rows)
 
 
 def main() -> None:
@@ -45,7 +46,7 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_fresh.json")
     p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
     p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process (the children)
-    p.add_argument("--concurrency", type=int, choices=(1, 8), help=argparse.SUPPRESS)
+    p.add_argument("--concurrency", type=int, choices=CONCURRENCY, help=argparse.SUPPRESS)
     prompt_sets.add_arguments(p, count=16, max_tokens=128)  # + --max-tokens: inside the 256 positions of a slot
     args = p.parse_args()
     if args.case:
@@ -53,7 +54,7 @@ def main() -> None:
         return
     results, load_before = {}, os.getloadavg()
     for case in CASES:
-        for c in (1, 8):
+        for c in CONCURRENCY:
             argv = [sys.executable, __file__, *sys.argv[1:], "--case", case, "--concurrency", str(c)]
             out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1])
