@@ -172,7 +172,8 @@ class SpecLoop:
             start_B = jnp.where(go_B, s.drafted_B, s.length_B)  # other rows write only past their length (dead)
             pos_BT = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
             tokens_BT = jnp.take_along_axis(s.tokens_BS, jnp.minimum(pos_BT + 1, S - 1), axis=1)
-            aux_BTI = jnp.take_along_axis(s.aux_BSI, jnp.minimum(pos_BT, S - 1)[:, :, None], axis=1)
+            rows_B1 = jnp.arange(pos_BT.shape[0])[:, None]  # the first rows of `aux_BSI` (serving: the whole buffer)
+            aux_BTI = s.aux_BSI[rows_B1, jnp.minimum(pos_BT, S - 1)]
             at_prompt_BT = pos_BT == s.prompt_len_B[:, None] - 1  # an unfed prompt's last position: its own states
             aux_BTI = jnp.where(at_prompt_BT[:, :, None], s.prompt_aux_BI[:, None].astype(aux_BTI.dtype), aux_BTI)
             last_B = jnp.clip(s.length_B - 1 - start_B, 0, W - 1)

@@ -176,10 +176,12 @@ def test_programs_do_not_copy_the_kept_target_states(engine):
     """The target states plain cycles keep (`aux_BSI`, [B, S, 3 x hidden]: 352 MB for Kimi at 8 slots x 1024
     positions) stay in place: a chain segment's program, which only reads them after prefill chunks that do not
     touch them, and a plain segment's, which writes them into the whole buffer, compile without a copy of it (XLA
-    copied it twice per chain segment when they went through the chunks' loop and the window's put). One row of the
-    two, as a bucket smaller than the slots."""
+    copied it twice per chain segment when they went through the chunks' loop and the window's put), nor a slice of
+    the window's rows (XLA:CPU copied that out for the chain's catch-up). One row of the two, as a bucket smaller
+    than the slots."""
     x, c = engine.executor, engine.config
     shape = ",".join(map(str, x.state.aux_BSI.shape))
+    window_shape = ",".join(map(str, (1, *x.state.aux_BSI.shape[1:])))
     runs = np.zeros((c.max_batch, 3), np.int32), np.int32(0), np.bool_(False), np.int32(c.segment_cycles)
     for draft in (CHAIN, PLAIN):
         window = (1, c.max_context, not draft.plain)
@@ -187,6 +189,8 @@ def test_programs_do_not_copy_the_kept_target_states(engine):
         hlo = x._program.lower(*args, *runs).compile().as_text()  # as the executor compiles it
         copies = re.findall(rf"\w+\[{shape}\]\S* copy\(", hlo)
         assert not copies, f"the {draft.label} segment's program copies aux_BSI: {copies}"
+        slices = re.findall(rf"\w+\[{window_shape}\]\S* (?:dynamic-)?slice\(", hlo)
+        assert not slices, f"the {draft.label} segment's program slices its rows of aux_BSI: {slices}"
 
 
 def row_draft_cache(executor: Executor, row: int):
