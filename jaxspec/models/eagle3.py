@@ -205,13 +205,15 @@ class Eagle3Model(nnx.Module):
         cache: KVCache | None = None,
         *,
         first_step: bool,
+        kv_block: int = KV_BLOCK,
     ) -> tuple[jax.Array, jax.Array, KVCache | None]:
         """Per-device step. `hidden` is the captured aux [B,T,X*Dt] if `first_step`, else the previous h2 [B,T,D].
+        Attention over a cache reads each row's live prefix in blocks of `kv_block` positions (mla.py).
 
         Returns (fp32 logits [B,T,U] (local vocab shard when split), the next step's h [B,T,D] (`output`: h2, or
         norm(h2) with `norm_output`), updated cache or None).
         """
-        return self._step(tokens_BT, hidden, first_step, lambda a_BTW: self._attend(a_BTW, pos_BT, cache))
+        return self._step(tokens_BT, hidden, first_step, lambda a_BTW: self._attend(a_BTW, pos_BT, cache, kv_block))
 
     def tree_step(
         self,
@@ -223,6 +225,8 @@ class Eagle3Model(nnx.Module):
         write_at: int,
         mask_BKM: jax.Array,
         prefix_len_B: jax.Array,
+        *,
+        kv_block: int = KV_BLOCK,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Per-device draft step over K tree nodes per row (jaxspec/decoding/tree.py), from their parents' h2
         `hidden_BKD`. The cache is only read: each node sees its row's cached entries below `prefix_len_B` and the
@@ -231,9 +235,8 @@ class Eagle3Model(nnx.Module):
         children's h), the updated scratch)."""
 
         def attend(a_BKW):
-            if self.config.mla is not None:
-                return self._attend_tree_mla(a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B)
-            return self._attend_tree(a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B)
+            args = (a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B, kv_block)
+            return self._attend_tree_mla(*args) if self.config.mla is not None else self._attend_tree(*args)
 
         return self._step(tokens_BK, hidden_BKD, False, attend)
 
@@ -314,12 +317,12 @@ class Eagle3Model(nnx.Module):
             return logits_BTU, x_BTD if self.config.norm_output else h2_BTD
 
     # ---------------------------------------------------------------- inference attention over the KV cache
-    def _attend(self, a_BTW, pos_BT, cache):
+    def _attend(self, a_BTW, pos_BT, cache, kv_block: int):
         if self.config.mla is not None:
-            return self._attend_mla(a_BTW, pos_BT, cache)
+            return self._attend_mla(a_BTW, pos_BT, cache, kv_block)
         q_BTNZ, k_BTOZ, v_BTOZ = self.project_qkv(a_BTW, pos_BT)
         if isinstance(cache, Paged):
-            return self._attend_pool(q_BTNZ, (k_BTOZ, v_BTOZ), pos_BT, cache)
+            return self._attend_pool(q_BTNZ, (k_BTOZ, v_BTOZ), pos_BT, cache, kv_block)
         if cache is None:
             k_BSOZ, v_BSOZ, kv_pos_BS = k_BTOZ, v_BTOZ, pos_BT
         else:
@@ -332,7 +335,7 @@ class Eagle3Model(nnx.Module):
         mask_BTS = kv_pos_BS[:, None, :] <= pos_BT[:, :, None]
         return self.project_out(attention(q_BTNZ, k_BSOZ, v_BSOZ, mask_BTS)), cache
 
-    def _attend_pool(self, q_BTNZ, new: tuple[jax.Array, jax.Array], pos_BT, cache: Paged):
+    def _attend_pool(self, q_BTNZ, new: tuple[jax.Array, jax.Array], pos_BT, cache: Paged, kv_block: int):
         """Llama attention over the drafter's pool in place: the step's keys and values written into the rows'
         blocks, then each row reads its own blocks as far as its own position (mla.attend_live_prefix's ragged loop,
         online softmax), as the target reads its pool."""
@@ -340,10 +343,10 @@ class Eagle3Model(nnx.Module):
         O, Z = new[0].shape[2:]  # noqa: E741
         block = Block(group_queries(q_BTNZ, O), _gqa_block)
         init = softmax_init(q_BTNZ, Z)
-        state = attend_live_prefix(cache, 0, pos_BT, block, init, Z**-0.5, KV_BLOCK, q_BTNZ.dtype)
+        state = attend_live_prefix(cache, 0, pos_BT, block, init, Z**-0.5, kv_block, q_BTNZ.dtype)
         return self.project_out(softmax_finish(state, q_BTNZ.dtype)), cache
 
-    def _attend_mla(self, a_BTW, pos_BT, cache):
+    def _attend_mla(self, a_BTW, pos_BT, cache, kv_block: int):
         """The target's MLA over the drafter's latent cache (a 1-tuple: [B, S, kv_lora_rank + qk_rope_head_dim], or
         a pool of one array [N, block, Y], read and written in place as the target's is)."""
         cos_sin = rope.cos_sin(pos_BT, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
@@ -351,19 +354,20 @@ class Eagle3Model(nnx.Module):
         if cache is None:
             return self.attn(a_BTW, cos_sin, pos_BT, None, 0, impl)[0], None
         if isinstance(cache, Paged):  # the target's layout: a layer stack of one
-            out_BTD, stacked = self.attn(a_BTW, cos_sin, pos_BT, Paged(cache.pool[0][None], cache.tables), 0, impl)
+            stacked = Paged(cache.pool[0][None], cache.tables)
+            out_BTD, stacked = self.attn(a_BTW, cos_sin, pos_BT, stacked, 0, impl, kv_block=kv_block)
             return out_BTD, Paged((stacked.pool[0],), cache.tables)
         # MLA takes a layer-stacked cache and a layer index; the drafter's one layer is a stack of one.
-        out_BTD, latent_LBSY = self.attn(a_BTW, cos_sin, pos_BT, cache[0][None], 0, impl)
+        out_BTD, latent_LBSY = self.attn(a_BTW, cos_sin, pos_BT, cache[0][None], 0, impl, kv_block=kv_block)
         return out_BTD, (latent_LBSY[0],)
 
-    def _attend_tree(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B):
+    def _attend_tree(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B, kv_block: int):
         """Llama attention of tree nodes over [cache | scratch] (see `tree_step`)."""
         q_BKNZ, k_BKOZ, v_BKOZ = self.project_qkv(a_BKW, pos_BK)
         put = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), write_at, axis=1)
         scratch = tuple(put(c, n) for c, n in zip(scratch, (k_BKOZ, v_BKOZ), strict=True))
         if isinstance(cache, Paged):
-            return self._attend_tree_pool(q_BKNZ, cache, scratch, mask_BKM, prefix_len_B), scratch
+            return self._attend_tree_pool(q_BKNZ, cache, scratch, mask_BKM, prefix_len_B, kv_block), scratch
         k_BSOZ, v_BSOZ = (
             jnp.concatenate([c, s], axis=1).astype(a_BKW.dtype) for c, s in zip(cache, scratch, strict=True)
         )
@@ -372,18 +376,18 @@ class Eagle3Model(nnx.Module):
         mask_BKS = jnp.concatenate([prefix_BKS, mask_BKM], axis=-1)
         return self.project_out(attention(q_BKNZ, k_BSOZ, v_BSOZ, mask_BKS)), scratch
 
-    def _attend_tree_pool(self, q_BKNZ, cache: Paged, scratch, mask_BKM, prefix_len_B) -> jax.Array:
+    def _attend_tree_pool(self, q_BKNZ, cache: Paged, scratch, mask_BKM, prefix_len_B, kv_block: int) -> jax.Array:
         """Tree nodes' Llama attention over the drafter's pool in place (each row's own blocks below its prefix,
         ragged) and over the scratch entries `mask_BKM` marks, the two softmax states merged."""
         O, Z = scratch[0].shape[2:]  # noqa: E741
         dtype = q_BKNZ.dtype
         block, init = Block(group_queries(q_BKNZ, O), _gqa_block), softmax_init(q_BKNZ, Z)
         last_prefix_BK = jnp.broadcast_to((prefix_len_B - 1)[:, None], q_BKNZ.shape[:2]).astype(jnp.int32)
-        prefix = attend_live_prefix(cache, 0, last_prefix_BK, block, init, Z**-0.5, KV_BLOCK, dtype)
+        prefix = attend_live_prefix(cache, 0, last_prefix_BK, block, init, Z**-0.5, kv_block, dtype)
         fresh = online_softmax(init, *block(tuple(c.astype(dtype) for c in scratch)), mask_BKM, Z**-0.5)
         return self.project_out(softmax_finish(merge_softmax(prefix, fresh), dtype))
 
-    def _attend_tree_mla(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B):
+    def _attend_tree_mla(self, a_BKW, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B, kv_block: int):
         """The target's tree attention (absorbed MLA) over the drafter's latent cache and scratch latents."""
         cos_sin = rope.cos_sin(pos_BK, jnp.asarray(self.rope_freqs, jnp.float32), self.rope_factor)
         q_nope_BKNH, q_rope_BKNR, fresh_BKY = self.attn.project(a_BKW, cos_sin)
@@ -391,7 +395,7 @@ class Eagle3Model(nnx.Module):
         latent_BMY = jax.lax.dynamic_update_slice_in_dim(latent_BMY, fresh_BKY.astype(latent_BMY.dtype), write_at, 1)
         stacked = Paged(cache.pool[0][None], cache.tables) if isinstance(cache, Paged) else cache[0][None]
         out_BKD = mla_tree_attention(
-            self.attn, q_nope_BKNH, q_rope_BKNR, latent_BMY, stacked, 0, prefix_len_B, mask_BKM
+            self.attn, q_nope_BKNH, q_rope_BKNR, latent_BMY, stacked, 0, prefix_len_B, mask_BKM, kv_block=kv_block
         )
         return out_BKD, (latent_BMY,)
 

@@ -103,12 +103,12 @@ class Drafter:
         width = len(cfg.capture_layers) * cfg.target_hidden_size if first_step else cfg.hidden_size
         if hidden.shape != (*tokens_BT.shape, width):
             raise ValueError(f"hidden: expected shape {(*tokens_BT.shape, width)}, got {hidden.shape}")
-        batch = self.rules.batch
+        batch, kv_block = self.rules.batch, self.target.kv_block
         cache_spec = self.specs_of(cache)
 
         def local(params, tokens, hidden, pos, cache):
             model = nnx.merge(self.graphdef, params)  # a pool (`Paged`) is written and read in place, row by row
-            return model(tokens, hidden, pos, cache, first_step=first_step)
+            return model(tokens, hidden, pos, cache, first_step=first_step, kv_block=kv_block)
 
         specs = (PartitionSpec(batch, None), PartitionSpec(batch, None, None), PartitionSpec(batch, None), cache_spec)
         return self._sharded_step(local, params, (tokens_BT, hidden, pos_BT, cache), specs, cache_spec)
@@ -132,11 +132,11 @@ class Drafter:
             raise ValueError(
                 f"hidden_BKD: expected {(*tokens_BK.shape, self.config.hidden_size)}, got {hidden_BKD.shape}"
             )
-        batch, cache_spec = self.rules.batch, self.cache_specs()
+        batch, cache_spec, kv_block = self.rules.batch, self.cache_specs(), self.target.kv_block
 
         def local(params, tokens, hidden, pos, cache, scratch, mask, prefix):
             model = nnx.merge(self.graphdef, params)  # the cache (a pool read in place, or dense) is only read
-            return model.tree_step(tokens, hidden, pos, cache, scratch, write_at, mask, prefix)
+            return model.tree_step(tokens, hidden, pos, cache, scratch, write_at, mask, prefix, kv_block=kv_block)
 
         args = (tokens_BK, hidden_BKD, pos_BK, cache, scratch, mask_BKM, prefix_len_B)
         specs = (

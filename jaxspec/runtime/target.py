@@ -23,7 +23,7 @@ from jaxspec.config import KV_CACHE_DTYPES, KimiConfig
 from jaxspec.models.cache import PACKED, SCALE_BYTES, Paged, paged_specs
 from jaxspec.models.dcp import Stripes, compact_striped
 from jaxspec.models.kimi import KimiModel
-from jaxspec.models.mla import KV_BLOCK, AttnImpl
+from jaxspec.models.mla import AttnImpl, kv_block_for
 from jaxspec.models.moe import ExpertImpl, MoE
 from jaxspec.models.quant import Fp8Array, Int4Array
 from jaxspec.models.tree_attention import compact_path
@@ -63,6 +63,12 @@ class Target:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         check_dcp(self.dcp, self.mesh, self.rules)
+
+    @property
+    def kv_block(self) -> int:
+        """Cache positions per block of attention's live-prefix loop on this target's platform (mla.kv_block_for):
+        the default of `apply`'s, and of its drafter's."""
+        return kv_block_for(self.mesh.devices.flat[0].platform)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -290,13 +296,14 @@ class Target:
         capture: Sequence[int] = (),
         impl: AttnImpl | None = None,
         head: Head = "logits",
-        kv_block: int = KV_BLOCK,
+        kv_block: int | None = None,
         tree_mask_BTS: jax.Array | None = None,
     ):
         """Sharded forward (traceable; call inside jit). Returns (out, cache, captured [X,B,T,D]) where `out` is
         per `head`: "logits" -> [B,T,V] (vocab-split over the model axis), "argmax" -> greedy ids [B,T],
         an int k -> top-k (values [B,T,k], ids [B,T,k]). argmax/top-k never gather the vocabulary.
-        With a cache, attention reads only the live prefix, in blocks of `kv_block` positions (see mla.py).
+        With a cache, attention reads only the live prefix, in blocks of `kv_block` positions (None: this target's
+        `kv_block`; see mla.py).
         `tree_mask_BTS`: verify a draft tree [B,T,T] (see `KimiModel.__call__`; absorbed attention)."""
         if tree_mask_BTS is not None and impl == "expanded":
             raise ValueError("tree_mask_BTS: tree verification runs absorbed attention, got impl='expanded'")
@@ -312,6 +319,7 @@ class Target:
         else:
             raise ValueError(f"head must be 'logits', 'argmax' or a positive int k, got {head!r}")
 
+        kv_block = self.kv_block if kv_block is None else kv_block
         opts = dict(capture=capture, impl=impl, kv_block=kv_block, stripes=self.stripes)
 
         def local(params, tokens, pos, cache, tree_mask):

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from jaxspec import KimiConfig, Target
 from jaxspec.models import rope
-from jaxspec.models.mla import MLA, live_blocks
+from jaxspec.models.mla import CPU_KV_BLOCK, KV_BLOCK, MLA, kv_block_for, live_blocks
 from sharding.mesh import make_mesh
 
 CFG = KimiConfig.preset("tiny")
@@ -126,6 +126,24 @@ def test_ragged_verify_on_2x4_mesh_reads_only_each_shard_live_blocks():
     want = np.stack([full[b, s : s + T] for b, s in enumerate(starts)])
     assert np.isfinite(np.asarray(logits)).all(), "a data shard read past its own live blocks"
     np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5 * full.std())
+
+
+def test_a_target_reads_its_cache_in_blocks_of_its_platform():
+    """`Target.apply` reads the live prefix in blocks of the target's `kv_block` unless told otherwise: on the CPU
+    one block of the default pool (CPU_KV_BLOCK), elsewhere KV_BLOCK. Past the first CPU_KV_BLOCK positions the
+    cache is NaN: a read by KV_BLOCK makes the logits NaN."""
+    assert kv_block_for("tpu") == kv_block_for("gpu") == KV_BLOCK > CPU_KV_BLOCK == kv_block_for("cpu")
+    target = Target.random(CFG.replace(num_hidden_layers=2), dtype=jnp.float32, seed=4)
+    assert target.kv_block == CPU_KV_BLOCK
+    tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 40))
+    full = np.asarray(target.logits(tokens))
+    step = jax.jit(lambda p, t, q, c: target.apply(p, t, q, c)[:2])
+    _, cache = step(target.params, tokens[:, :36], np.broadcast_to(np.arange(36), (2, 36)), target.init_cache(2, 128))
+    cache = np.array(cache)
+    cache[:, :, CPU_KV_BLOCK:] = np.nan
+    pos = np.broadcast_to(np.arange(36, 40), (2, 4))
+    logits, _ = step(target.params, tokens[:, 36:], pos, jnp.asarray(cache))
+    np.testing.assert_allclose(np.asarray(logits), full[:, 36:], atol=1e-5 * full.std())
 
 
 def paged_like(cache: np.ndarray, block: int, rng) -> tuple[np.ndarray, np.ndarray]:

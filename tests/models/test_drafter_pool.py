@@ -31,16 +31,17 @@ def make_drafter(target, kind: str) -> Drafter:
     return Drafter.random(cfg, target, dtype=jnp.float32, seed=2)
 
 
-def pooled(dense: tuple[np.ndarray, ...], rng) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+def pooled(dense: tuple[np.ndarray, ...], rng, read: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """The dense cache's entries in a pool of shuffled blocks. Whatever a row's read must not touch is NaN: the null
-    block 0, and each row's blocks past the live-prefix blocks (of KV_BLOCK positions) its position reaches."""
+    block 0, and each row's blocks past the live-prefix blocks (of `read` positions: the target's `kv_block`, which
+    its drafter reads by) its position reaches."""
     K = S // BLOCK
     tables = (1 + rng.permutation(B * K)).reshape(B, K).astype(np.int32)
     pools = []
     for c in dense:
         pool = np.full((1 + B * K, BLOCK, *c.shape[2:]), np.nan, np.float32)
         for b in range(B):
-            live = -(-(POS[b].max() + 1) // KV_BLOCK) * KV_BLOCK
+            live = -(-(POS[b].max() + 1) // read) * read
             entries = c[b].copy()
             entries[live:] = np.nan
             pool[tables[b]] = entries.reshape(K, BLOCK, *c.shape[2:])
@@ -53,7 +54,7 @@ def test_the_drafter_reads_and_writes_its_pool_in_place_row_by_row(target, kind)
     drafter = make_drafter(target, kind)
     rng = np.random.default_rng(3)
     dense = tuple(rng.standard_normal((B, S, *c.shape[2:])).astype(np.float32) for c in drafter.init_cache(1, 8))
-    pools, tables = pooled(dense, rng)
+    pools, tables = pooled(dense, rng, target.kv_block)
     tokens = jnp.asarray(rng.integers(0, target.vocab_size, (B, T)), jnp.int32)
     width = len(drafter.capture_layers) * drafter.config.target_hidden_size
     hidden = jnp.asarray(rng.standard_normal((B, T, width)), jnp.float32)
@@ -81,7 +82,7 @@ def test_a_tree_step_reads_the_pool_in_place(target, kind):
     drafter = make_drafter(target, kind)
     rng = np.random.default_rng(4)
     dense = tuple(rng.standard_normal((B, S, *c.shape[2:])).astype(np.float32) for c in drafter.init_cache(1, 8))
-    pools, tables = pooled(dense, rng)
+    pools, tables = pooled(dense, rng, target.kv_block)
     K = 2
     prefix_B = jnp.asarray(POS[:, 0])
     tokens = jnp.asarray(rng.integers(0, target.vocab_size, (B, K)), jnp.int32)
