@@ -17,7 +17,8 @@ longer. A cycle costs more as the context grows and a drafter accepts less far f
 conversation can stop paying for speculation while short ones still do: each range is predicted from its own
 measurements, and a range not measured yet from the nearest one measured at that bucket (T scaled by how much the
 other shapes' T changed between the two ranges; a_j: the range's own counters with the overall a_j as a prior worth
-PRIOR_ROW_CYCLES row-cycles), so a new range starts from what is known and costs no learning segments.
+PRIOR_ROW_CYCLES row-cycles, the deeper positions' scaled as the range's a_1 moved from the overall a_1), so a new
+range starts from what is known and costs no learning segments.
 A segment over a bucket of rows, n of them generating, runs the shape of highest predicted throughput n E / T (the
 cost model's R with E = 1 + sum_j prod_{i<=j} a_i; plain decoding: E = 1). A fresh server starts from what is known
 before its first request, so its first segments already run the predicted best: each shape's cycle time per row
@@ -151,13 +152,21 @@ class DraftPolicy:
 
     def acceptance(self, context: int | None = None) -> np.ndarray:
         """The decayed a_j per draft position (NaN where never reached): over every context range, or in the range
-        of `context`: its own counters, with the overall a_j as a prior worth PRIOR_ROW_CYCLES row-cycles."""
+        of `context`: its own counters, with the overall a_j as a prior worth PRIOR_ROW_CYCLES row-cycles, the
+        deeper positions' scaled by how the range's a_1 compares with the overall a_1 (a chain seldom reaches them
+        where a_1 is low, so their own counters stay few; the bundled pair's a_j at 768 tokens were 0.37-0.44x its
+        a_j at 128 at every position, where an unscaled prior kept a_2..a_4 at the short range's and predicted a
+        losing chain at 0.9x plain decoding)."""
         overall = conditional_acceptance(self.reached, self.accepted)
         if context is None or context_range(context) not in self._spans:
             return overall
         reached, accepted = self._spans[context_range(context)]
-        weight = np.where(np.isfinite(overall), PRIOR_ROW_CYCLES, 0.0)
-        return conditional_acceptance(reached + weight, accepted + weight * np.nan_to_num(overall))
+        weight, prior = np.where(np.isfinite(overall), PRIOR_ROW_CYCLES, 0.0), np.nan_to_num(overall)
+        own = conditional_acceptance(reached + weight, accepted + weight * prior)
+        if prior[0] > 0 and np.isfinite(own[0]):
+            prior[1:] = np.minimum(prior[1:] * own[0] / prior[0], 1.0)
+            own = conditional_acceptance(reached + weight, accepted + weight * prior)
+        return own
 
     def predict(self, shape: DraftShape, rows: int, generating: int, context: int = 0) -> float | None:
         """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating, the longest
