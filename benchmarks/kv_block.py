@@ -88,7 +88,7 @@ def main() -> None:
                 f"--concurrency {args.concurrency}",
             ],
             args,
-        ),  # fmt: skip
+        ),
         "kv_block": {"KV_BLOCK": KV_BLOCK, "default": target.kv_block},
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

@@ -106,3 +106,12 @@ def init_distributed(
 
 def single_device_mesh() -> Mesh:
     return make_mesh((1, 1), jax.devices()[:1])
+
+
+def platform_of(mesh: Mesh | jax.sharding.AbstractMesh) -> str | None:
+    """The platform ("cpu", "gpu", "tpu", ...) of `mesh`'s devices; of an abstract mesh (`jax.export`, deviceless
+    lowering) its abstract device's, or None where it names none."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        device = mesh.abstract_device
+        return None if device is None else device.platform
+    return mesh.devices.flat[0].platform

@@ -50,14 +50,16 @@ AttnImpl = Literal["expanded", "absorbed"]
 KV_BLOCK = 512
 # On XLA:CPU: one block of the default cache pool per iteration (a paged cache reads at least one of its blocks: a
 # slice, where a read of several is a gather), as the Pallas kernels read the pool on accelerators. The bundled pair
-# at 256-token prompts (8 slots x 1,024 positions): prefill chunks 45-50% and chain segments 22-38% faster than with
-# KV_BLOCK; at 1,700 positions chain segments as fast (1 row) or 10% faster (8 rows).
+# at the serving defaults (8 slots x 1,024 positions, prompts up to 256 tokens): prefill chunks 44-52% and k = 4
+# segments 18-43% (1 to 8 rows) faster than with KV_BLOCK; at 1,700 positions chain segments as fast (1 row) or 10%
+# faster (8 rows); served tokens/s 1.14-1.43x (benchmarks/results/kv_block.md).
 CPU_KV_BLOCK = 64
 
 
-def kv_block_for(platform: str) -> int:
+def kv_block_for(platform: str | None) -> int:
     """Cache positions per block of the live-prefix attention loop for programs lowered for `platform` (a JAX
-    platform name: "cpu", "tpu", "gpu", ...): CPU_KV_BLOCK on the CPU, else KV_BLOCK."""
+    platform name: "cpu", "tpu", "gpu", ...; None: not known, as for an abstract mesh naming no device): CPU_KV_BLOCK
+    on the CPU, else KV_BLOCK."""
     return CPU_KV_BLOCK if platform == "cpu" else KV_BLOCK
 
 

@@ -29,7 +29,7 @@ from jaxspec.models.quant import Fp8Array, Int4Array
 from jaxspec.models.tree_attention import compact_path
 from sharding.collectives import sharded_argmax, sharded_top_k
 from sharding.inspect import per_device_param_bytes
-from sharding.mesh import DATA, single_device_mesh
+from sharding.mesh import DATA, platform_of, single_device_mesh
 from sharding.multihost import put_global, zeros
 from sharding.rules import DEFAULT_RULES, ShardingRules, check_divisible
 
@@ -66,9 +66,9 @@ class Target:
 
     @property
     def kv_block(self) -> int:
-        """Cache positions per block of attention's live-prefix loop on this target's platform (mla.kv_block_for):
-        the default of `apply`'s, and of its drafter's."""
-        return kv_block_for(self.mesh.devices.flat[0].platform)
+        """Cache positions per block of attention's live-prefix loop on this target's platform (mla.kv_block_for; an
+        abstract mesh's abstract device, e.g. for `jax.export`): the default of `apply`'s, and of its drafter's."""
+        return kv_block_for(platform_of(self.mesh))
 
     # ------------------------------------------------------------------ construction
     @staticmethod

@@ -8,6 +8,7 @@ past the live blocks makes the output NaN, a missing block or a leaked stale ent
 """
 
 import contextlib
+import dataclasses
 from functools import partial
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from jaxspec import KimiConfig, Target
 from jaxspec.models import rope
+from jaxspec.models.kernels import lowering_for_gpu
 from jaxspec.models.mla import CPU_KV_BLOCK, KV_BLOCK, MLA, kv_block_for, live_blocks
 from sharding.mesh import make_mesh
 
@@ -132,9 +134,14 @@ def test_a_target_reads_its_cache_in_blocks_of_its_platform():
     """`Target.apply` reads the live prefix in blocks of the target's `kv_block` unless told otherwise: on the CPU
     one block of the default pool (CPU_KV_BLOCK), elsewhere KV_BLOCK. Past the first CPU_KV_BLOCK positions the
     cache is NaN: a read by KV_BLOCK makes the logits NaN."""
-    assert kv_block_for("tpu") == kv_block_for("gpu") == KV_BLOCK > CPU_KV_BLOCK == kv_block_for("cpu")
+    assert kv_block_for("tpu") == kv_block_for("gpu") == kv_block_for(None) == KV_BLOCK > CPU_KV_BLOCK
     target = Target.random(CFG.replace(num_hidden_layers=2), dtype=jnp.float32, seed=4)
-    assert target.kv_block == CPU_KV_BLOCK
+    assert target.kv_block == CPU_KV_BLOCK == kv_block_for("cpu")
+    with lowering_for_gpu(target.mesh) as gpu:  # an abstract mesh (jax.export for CUDA): its abstract device's
+        assert dataclasses.replace(target, mesh=gpu).kv_block == KV_BLOCK
+    assert dataclasses.replace(target, mesh=target.mesh.abstract_mesh).kv_block == CPU_KV_BLOCK  # its devices'
+    nameless = jax.sharding.AbstractMesh((1, 1), target.mesh.axis_names)
+    assert nameless.abstract_device is None and dataclasses.replace(target, mesh=nameless).kv_block == KV_BLOCK
     tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 40))
     full = np.asarray(target.logits(tokens))
     step = jax.jit(lambda p, t, q, c: target.apply(p, t, q, c)[:2])
