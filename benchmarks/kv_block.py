@@ -16,6 +16,7 @@ default 16 HumanEval prompts of at most 256 tokens).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -30,8 +31,6 @@ SHAPES = (4, 0)  # the chain's steps (0: plain decoding)
 def engines(target, drafter, tokenizer, steps: int) -> dict:
     """{"KV_BLOCK": engine, "default": engine} for a draft of `steps` (0: plain, no drafter), each warmed up: the
     first over a copy of the target (and of the drafter on it) that reads by KV_BLOCK, the second over the pair."""
-    import dataclasses
-
     from jaxspec import Target
     from jaxspec.decoding import DraftShape
     from jaxspec.models.mla import KV_BLOCK
@@ -81,14 +80,8 @@ def main() -> None:
             results[f"k={steps} c={c}"] = {"tok_s": rate, "default_over_kv_block": rate["default"] / rate["KV_BLOCK"]}
             print(f"k={steps} c={c}", results[f"k={steps} c={c}"], flush=True)
     record = {
-        "command": prompt_sets.command(
-            "benchmarks/kv_block.py",
-            [
-                f"--max-tokens {args.max_tokens} --requests {args.requests} --rounds {args.rounds}",
-                f"--concurrency {args.concurrency}",
-            ],
-            args,
-        ),
+        "command": f"python benchmarks/kv_block.py --max-tokens {args.max_tokens} --requests {args.requests} "
+        f"--rounds {args.rounds} --concurrency {args.concurrency} {prompt_sets.flags(args)}",
         "kv_block": {"KV_BLOCK": KV_BLOCK, "default": target.kv_block},
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

@@ -50,9 +50,9 @@ AttnImpl = Literal["expanded", "absorbed"]
 KV_BLOCK = 512
 # On XLA:CPU: one block of the default cache pool per iteration (a paged cache reads at least one of its blocks: a
 # slice, where a read of several is a gather), as the Pallas kernels read the pool on accelerators. The bundled pair
-# at the serving defaults (8 slots x 1,024 positions, prompts up to 256 tokens): prefill chunks 44-52% and k = 4
-# segments 18-43% (1 to 8 rows) faster than with KV_BLOCK; at 1,700 positions chain segments as fast (1 row) or 10%
-# faster (8 rows); served tokens/s 1.14-1.43x (benchmarks/results/kv_block.md).
+# at the serving defaults (8 slots x 1,024 positions, prompts up to 256 tokens) served 1.14-1.43x the tokens/s of
+# KV_BLOCK (benchmarks/results/kv_block.md; ad hoc, at 1,700 positions chain segments as fast over 1 row, 10% faster
+# over 8).
 CPU_KV_BLOCK = 64
 
 

@@ -163,7 +163,7 @@ class DraftPolicy:
         reached, accepted = self._spans[context_range(context)]
         weight, prior = np.where(np.isfinite(overall), PRIOR_ROW_CYCLES, 0.0), np.nan_to_num(overall)
         own = conditional_acceptance(reached + weight, accepted + weight * prior)
-        if prior[0] > 0 and np.isfinite(own[0]):
+        if prior[0] > 0:  # then own[0] is finite (the prior weighs in)
             prior[1:] = np.minimum(prior[1:] * own[0] / prior[0], 1.0)
             own = conditional_acceptance(reached + weight, accepted + weight * prior)
         return own

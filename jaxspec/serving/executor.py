@@ -292,9 +292,9 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
 
     The target states plain cycles keep for the drafter (`aux_BSI`, [B, S, 3 x hidden]) go through only where they
     are written: chunks neither read nor write them, a chain segment only reads them (its catch-up: from the whole
-    buffer, not a window of its rows, whose slice XLA:CPU copied out, 3% of a 4-row chain segment of the bundled
-    pair at 1,024 positions), so neither puts them back (XLA copied the whole buffer twice per program when they went
-    through the loop and the put), and plain cycles write them in place (`_plain_segment`)."""
+    buffer, not a window of its rows, whose slice XLA:CPU copied out: 3% of a profiled 4-row chain segment of the
+    bundled pair at 1,024 positions, ad hoc), so neither puts them back (XLA copied the whole buffer twice per
+    program when they went through the loop and the put), and plain cycles write them in place (`_plain_segment`)."""
 
     def chunk(i, carry):
         state, pool = carry
