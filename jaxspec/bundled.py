@@ -45,11 +45,11 @@ def load_pair(mesh=None, dtype=None, int4_experts: str = "auto"):
     from jaxspec.io import load_drafter, load_target
     from jaxspec.io.load import int4_experts as dense_experts
     from jaxspec.tokenizer import load_tokenizer
-    from sharding.mesh import single_device_mesh
+    from sharding.mesh import platform_of, single_device_mesh
 
     dtype = jnp.float32 if dtype is None else dtype
     mesh = mesh or single_device_mesh()
     target_dir, drafter_dir = paths()
-    dense, _ = dense_experts(int4_experts, target_dir, mesh.devices.flat[0].platform, dtype)
+    dense, _ = dense_experts(int4_experts, target_dir, platform_of(mesh), dtype)
     target = load_target(target_dir, mesh=mesh, dtype=dtype, dequantize_int4=dense)
     return target, load_drafter(drafter_dir, target, dtype=dtype), load_tokenizer(target_dir)

@@ -344,7 +344,7 @@ def _build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = No
     import jax.numpy as jnp
 
     from jaxspec import KimiConfig, Target, load_target
-    from sharding.mesh import make_mesh, select_devices
+    from sharding.mesh import make_mesh, platform_of, select_devices
 
     if args.model and args.preset:
         raise UsageError(args.command, "give --model or --preset, not both")
@@ -360,7 +360,7 @@ def _build_target(args: argparse.Namespace, *, abstract: bool, devices: Any = No
         if abstract:
             cfg = KimiConfig.from_pretrained(args.model)
             return Target.abstract(cfg, mesh=mesh, dtype=dtype, kv_cache_dtype=kv), args.model
-        platform = mesh.devices.flat[0].platform
+        platform = platform_of(mesh)
         dtype, _ = default_dtype(args.dtype, args.model, platform)  # a checkpoint run here
         dense, _ = int4_experts(getattr(args, "int4_experts", "auto"), args.model, platform, dtype, args.command)
         return load_target(args.model, mesh=mesh, dtype=dtype, kv_cache_dtype=kv, dequantize_int4=dense), args.model

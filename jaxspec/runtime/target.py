@@ -261,7 +261,7 @@ class Target:
         specs = paged_specs(self.mesh, self.cache_spec(), self.rules.batch)
         shape, dtype = self.cache_shape_dtype(batch * max_len // block + 1, block)
         sharding = NamedSharding(self.mesh, specs.pool)
-        if self.mesh.devices.flat[0].platform == "tpu":
+        if platform_of(self.mesh) == "tpu":
             sharding = Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)
         rows = NamedSharding(self.mesh, specs.tables)
         tables = jax.ShapeDtypeStruct((batch, max_len // block), jnp.int32, sharding=rows)

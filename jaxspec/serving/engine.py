@@ -31,6 +31,7 @@ from jaxspec.serving.executor import Executor
 from jaxspec.serving.plan import RowAdmission, Segment, StepPlan, StepResult
 from jaxspec.serving.scheduler import QueueFull, Request, Scheduler, StepReport
 from jaxspec.serving.startup import MapBudget, Programs, StartupError, maps_in_use
+from sharding.mesh import platform_of
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "Request", "StartupError"]
 log = logging.getLogger("jaxspec.serving")
@@ -240,7 +241,7 @@ class Engine:
         start = time.perf_counter()
         cfg, draft = self.config, self.config.draft
         programs = Programs.of(cfg)
-        budget = MapBudget.here(self.target.mesh.devices.flat[0].platform)
+        budget = MapBudget.here(platform_of(self.target.mesh))
         maps = f", about {budget.check(programs):,} memory maps of {budget.usable:,}" if budget else ""
         metrics, self.metrics = self.metrics, None  # the dummy requests are not traffic
         on_progress(

@@ -31,6 +31,7 @@ from jaxspec.decoding.state import DRAFTER_ONLY, Logprobs, LoopConfig, LoopState
 from jaxspec.models.cache import Paged
 from jaxspec.serving.plan import Counters, PrefillChunk, RowResult, Segment, StepPlan, StepResult
 from jaxspec.serving.startup import cpu_compiler_options
+from sharding.mesh import platform_of
 from sharding.multihost import put_global, to_host
 
 
@@ -109,7 +110,7 @@ class Executor:
         self._greedy_leaves_q = self.drafter is not None and not draft.tree
         self._q_stale = False
         self.blocks, self.block = pool
-        cpu = target.mesh.devices.flat[0].platform == "cpu"
+        cpu = platform_of(target.mesh) == "cpu"
         self._program = _segment_program(cpu_compiler_options() if cpu else ())
         self.reset()
 

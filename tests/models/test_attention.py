@@ -138,7 +138,9 @@ def test_a_target_reads_its_cache_in_blocks_of_its_platform():
     target = Target.random(CFG.replace(num_hidden_layers=2), dtype=jnp.float32, seed=4)
     assert target.kv_block == CPU_KV_BLOCK == kv_block_for("cpu")
     with lowering_for_gpu(target.mesh) as gpu:  # an abstract mesh (jax.export for CUDA): its abstract device's
-        assert dataclasses.replace(target, mesh=gpu).kv_block == KV_BLOCK
+        on_gpu = dataclasses.replace(target, mesh=gpu)
+        assert on_gpu.kv_block == KV_BLOCK
+        assert on_gpu.abstract_pool(2, 128, 64).pool.shape[1] == 2 * 128 // 64 + 1  # its layout: by platform too
     assert dataclasses.replace(target, mesh=target.mesh.abstract_mesh).kv_block == CPU_KV_BLOCK  # its devices'
     nameless = jax.sharding.AbstractMesh((1, 1), target.mesh.axis_names)
     assert nameless.abstract_device is None and dataclasses.replace(target, mesh=nameless).kv_block == KV_BLOCK
