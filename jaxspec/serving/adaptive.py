@@ -332,8 +332,10 @@ class Scripted:
 
 
 class Calibration:
-    """The scheduler's policy during the warm-up's calibration: every segment runs `shape` (set by the caller), every
-    row is fed the drafter, and each segment that ran only cycles is timed per cycle by (shape, row bucket)."""
+    """The scheduler's policy during the warm-up's runs of every program: every segment runs `shape` (set by the
+    caller), no row is fed the drafter at prefill (a chain's first segment on a row runs its catch-up, as a fresh
+    adaptive server's first chain does), and each segment that ran only cycles is timed per cycle by (shape, row
+    bucket)."""
 
     predicted, probing = None, False
 
@@ -346,7 +348,7 @@ class Calibration:
         return self.shape
 
     def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
-        return True
+        return False
 
     def admitted(self, fed: bool) -> None:
         pass

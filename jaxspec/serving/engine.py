@@ -235,9 +235,10 @@ class Engine:
 
     def warmup(self, on_progress: Callable[[str], None] = log.info) -> float:
         """Compile every program the engine uses (admit, prefill chunk, every segment bucket and program, a prefix
-        hit, free) by serving two dummy requests, one of them cancelled; returns the seconds taken. On XLA:CPU the
-        process's memory maps are checked before and while compiling (startup.py): a configuration that would run
-        out of them raises StartupError before it does, naming what to change."""
+        hit, free) by serving two dummy requests, one of them cancelled, then run every segment program over live
+        rows (`_first_runs`, which also times each draft shape for an adaptive engine); returns the seconds taken.
+        On XLA:CPU the process's memory maps are checked before and while compiling (startup.py): a configuration
+        that would run out of them raises StartupError before it does, naming what to change."""
         start = time.perf_counter()
         cfg, draft = self.config, self.config.draft
         programs = Programs.of(cfg)
@@ -277,39 +278,50 @@ class Engine:
         self.cancel(second)
         self.run_until_idle()
         used = f", {maps_in_use() - budget.start:,} memory maps (limit {budget.limit:,})" if budget else ""
+        if times := self._first_runs():  # (none where a dummy request of two segments does not fit a slot)
+            on_progress(f"  every segment program run over live rows ({time.perf_counter() - start:.1f}s)")
         policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
         if len(cfg.shapes) > 1:  # a fresh server's first segments run the predicted best shape, not a guess
-            for (shape, rows), t in self._calibrate().items():
+            for (shape, rows), t in times.items():
                 policy.calibrate(shape, rows, t)
             if self.acceptance is not None:
                 policy.prior(self.acceptance)
-            on_progress(f"  draft shapes timed over every batch bucket ({time.perf_counter() - start:.1f}s)")
         policy.since(self.executor.counters())
         self.scheduler.policy = policy
-        seconds = time.perf_counter() - start
-        self.metrics = metrics
-        s = self.scheduler
+        seconds, self.metrics, s = time.perf_counter() - start, metrics, self.scheduler
         self._pool_seen = (s.preemptions, s.tables.queries, s.tables.hits)
         on_progress(f"warm-up done: {programs.count} segment programs in {seconds:.1f}s{used}")
         return seconds
 
-    def _calibrate(self) -> dict:
-        """Each draft shape's cycle time per row bucket, from dummy requests filling every bucket in turn (the
-        programs are compiled by now), the scheduler driving them with a `Calibration` policy: {(shape, rows):
-        seconds per cycle}. Nothing when a request of two segments' tokens does not fit a slot."""
+    def _first_runs(self) -> dict:
+        """Every segment program run over live rows of every batch bucket, through the scheduler, once compiled:
+        dummy requests fill each bucket in turn for each draft shape (a `Calibration` policy choosing it), greedy
+        ones (the static-greedy program) then sampled ones (the per-row program), none fed the drafter at prefill (so
+        a chain's first segment on them runs its catch-up). The compile runs' rows are done, so the loop bodies in
+        them never ran: on XLA:CPU each program's first run over live rows took 15-30 ms more than its next (the
+        bundled pair, 8 rows: a plain segment 28.6 ms then 12.6, a k = 4 chain 70.3 then 44, sampled 104 then 72;
+        a chain's first catch-up 10 ms), which a fresh server's first requests paid. Returns the greedy segments'
+        cycle time per (shape, row bucket) (what a fresh adaptive server's policy starts from); nothing runs when a
+        request of two segments' tokens does not fit a slot."""
         cfg = self.config
         tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1)
         if self.check(3, tokens) is not None:
             return {}
-        real, self.scheduler.policy = self.scheduler.policy, Calibration(cfg.shapes[0])
+        timed = Calibration(cfg.shapes[0])
+        passes = [(timed, RowSpec(ignore_eos=True))]
+        if cfg.greedy_program:  # else the greedy requests ran the per-row program already
+            passes.append((Calibration(cfg.shapes[0]), RowSpec(Sampling(1.0), seed=0, ignore_eos=True)))
+        real = self.scheduler.policy
         try:
-            for shape in cfg.shapes:
-                self.scheduler.policy.shape = shape
-                for rows in cfg.buckets:
-                    for _ in range(rows):
-                        self.submit(Request([1] * 3, tokens))
-                    self.run_until_idle()
-            return self.scheduler.policy.seconds_per_cycle()
+            for policy, spec in passes:
+                self.scheduler.policy = policy
+                for shape in cfg.shapes:
+                    policy.shape = shape
+                    for rows in cfg.buckets:
+                        for _ in range(rows):
+                            self.submit(Request([1] * 3, tokens, spec))
+                        self.run_until_idle()
+            return timed.seconds_per_cycle()
         finally:
             self.scheduler.policy = real
 

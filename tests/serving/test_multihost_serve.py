@@ -68,9 +68,9 @@ def test_two_processes_serve_the_single_process_text_and_sigterm_ends_both(serve
         if line.startswith("jaxspec_segments_total{")
     }
     assert sum(ran.values()) > 0, ran
-    # Both shapes' programs ran on both processes with live rows before /health: the warm-up's calibration serves
-    # dummy requests through each (its plans cross like any other); the policy then starts from the predicted best.
-    assert "draft shapes timed over every batch bucket" in (logs / "process0.log").read_text()
+    # Both shapes' programs ran on both processes with live rows before /health: the warm-up's first runs serve
+    # dummy requests through each (their plans cross like any other); the policy then starts from the predicted best.
+    assert "every segment program run over live rows" in (logs / "process0.log").read_text()
     procs[0].send_signal(signal.SIGTERM)
     for i, p in enumerate(procs):
         try:
