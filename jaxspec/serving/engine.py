@@ -249,7 +249,8 @@ class Engine:
             f"compiling {programs.describe()}{maps}: {cfg.max_batch} slots x {cfg.max_context} positions, prefill "
             f"chunk {cfg.prefill_chunk}, {cfg.segment_cycles} cycles per segment, {jax.process_count()} process(es)"
         )
-        self.submit(Request([1] * 3, 2 + draft.num_steps, RowSpec(Sampling(1.0), seed=0)))
+        dummy = lambda request: self.scheduler.submit(request, bounded=False)  # whatever --max-queue
+        dummy(Request([1] * 3, 2 + draft.num_steps, RowSpec(Sampling(1.0), seed=0)))
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
         before, compiled = maps_in_use(), 0
@@ -273,7 +274,7 @@ class Engine:
         self._run(StepPlan(0, admit=(RowAdmission(0, (1,) * (chunk + 1), 1, cached=chunk),)))
         self._run(StepPlan(0, free=(0,)))
         second = Request([1] * 3, 8)
-        self.submit(second)
+        dummy(second)
         self.step()
         self.cancel(second)
         self.run_until_idle()
@@ -300,26 +301,26 @@ class Engine:
         a chain's first segment on them runs its catch-up). The compile runs' rows are done, so the loop bodies in
         them never ran: on XLA:CPU each program's first run over live rows took 15-30 ms more than its next (the
         bundled pair, 8 rows: a plain segment 28.6 ms then 12.6, a k = 4 chain 70.3 then 44, sampled 104 then 72;
-        a chain's first catch-up 10 ms), which a fresh server's first requests paid. Returns the greedy segments'
-        cycle time per (shape, row bucket) (what a fresh adaptive server's policy starts from); nothing runs when a
-        request of two segments' tokens does not fit a slot."""
+        a chain's first catch-up 10 ms), which a fresh server's first requests paid. A dummy request runs one cycle
+        (all a first run needs), but an adaptive engine's greedy ones two segments' tokens: their cycle time per
+        (shape, row bucket) is what its policy starts from (returned; nothing runs where they do not fit a slot)."""
         cfg = self.config
-        tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1)
+        tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1) if len(cfg.shapes) > 1 else 2
         if self.check(3, tokens) is not None:
             return {}
         timed = Calibration(cfg.shapes[0])
-        passes = [(timed, RowSpec(ignore_eos=True))]
+        passes = [(timed, RowSpec(ignore_eos=True), tokens)]
         if cfg.greedy_program:  # else the greedy requests ran the per-row program already
-            passes.append((Calibration(cfg.shapes[0]), RowSpec(Sampling(1.0), seed=0, ignore_eos=True)))
+            passes.append((Calibration(cfg.shapes[0]), RowSpec(Sampling(1.0), seed=0, ignore_eos=True), 2))
         real = self.scheduler.policy
         try:
-            for policy, spec in passes:
+            for policy, spec, n in passes:
                 self.scheduler.policy = policy
                 for shape in cfg.shapes:
                     policy.shape = shape
                     for rows in cfg.buckets:
                         for _ in range(rows):
-                            self.submit(Request([1] * 3, tokens, spec))
+                            self.scheduler.submit(Request([1] * 3, n, spec), bounded=False)
                         self.run_until_idle()
             return timed.seconds_per_cycle()
         finally:

@@ -291,11 +291,10 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
     cycles, as a separate prefill program before the segment did; without chunks the loop over them runs no
     iteration.
 
-    The target states plain cycles keep for the drafter (`aux_BSI`, [B, S, 3 x hidden]) go through only where they
-    are written: chunks neither read nor write them, a chain segment only reads them (its catch-up: from the whole
-    buffer, not a window of its rows, whose slice XLA:CPU copied out: 3% of a profiled 4-row chain segment of the
-    bundled pair at 1,024 positions, ad hoc), so neither puts them back (XLA copied the whole buffer twice per
-    program when they went through the loop and the put), and plain cycles write them in place (`_plain_segment`)."""
+    The target states plain cycles keep for the drafter (`aux_BSI`, [B, S, 3 x hidden]) stay out of the chunks (which
+    neither read nor write them), and go into a segment whole, never as a window of its rows put back (XLA copied the
+    whole buffer twice per program when they went through the chunks' loop and a window's put): plain cycles write
+    them in place, a chain's catch-up reads them (`_lazy_segment`)."""
 
     def chunk(i, carry):
         state, pool = carry
@@ -312,17 +311,10 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
         return state, pool
     if cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it would have left them
         state = jax.lax.cond(fix, _greedy_q_repaired, lambda s: s, state)
-    if kept is not None and not cfg.num_steps:
-        return _plain_segment(loop, cfg, window, params, state, pool, tables, cycles)
-    if kept is None:
-        part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
-        return _scatter(state, pool, part, jnp.int32(0))
-    # A chain segment only reads the kept states (its catch-up), the whole buffer (the window's rows are its first)
-    state = state.replace(aux_BSI=None)
-    part = _gather(state, pool, tables, jnp.int32(0), *window).replace(aux_BSI=kept)
-    part = loop.run(cfg, *params, part, cycles)
-    state, pool = _scatter(state, pool, part.replace(aux_BSI=None), jnp.int32(0))
-    return state.replace(aux_BSI=kept), pool
+    if kept is not None:
+        return _lazy_segment(loop, cfg, window, params, state, pool, tables, cycles)
+    part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)
+    return _scatter(state, pool, part, jnp.int32(0))
 
 
 @functools.cache
@@ -333,12 +325,13 @@ def _segment_program(options: tuple[tuple[str, Any], ...] = ()):
     return jit(_prefill_and_run, compiler_options=dict(options)) if options else jit(_prefill_and_run)
 
 
-def _plain_segment(loop, cfg, window, params, state, pool, tables, cycles):
-    """Plain cycles over the window on a state with a lazy drafter: the drafter's fields stay out of the window
-    (nothing to slice and put back), and the target states the cycles keep are written in place into the whole
-    `aux_BSI` (the window's rows are the state's first rows), not into a window of it put back after (the window's
-    slice and put took 3% of a 1-row plain segment of the bundled pair on the CPU)."""
-    state, aside = state.set_aside(*DRAFTER_ONLY, "aux_BSI")
+def _lazy_segment(loop, cfg, window, params, state, pool, tables, cycles):
+    """Cycles over the window on a state with a lazy drafter. The target states plain cycles keep (`aux_BSI`) go into
+    the window whole (its rows are the state's first rows): plain cycles write them in place, a chain's catch-up reads
+    them, and neither slices a window of them out and puts it back (that took 3% of a 1-row plain segment of the
+    bundled pair on the CPU, the slice alone 3% of a 4-row chain segment's profiled self time at 1,024 positions). A
+    plain segment also leaves the drafter's fields out of the window: nothing of them to slice and put back."""
+    state, aside = state.set_aside(*(() if cfg.num_steps else DRAFTER_ONLY), "aux_BSI")
     part = _gather(state, pool, tables, jnp.int32(0), *window).replace(aux_BSI=aside["aux_BSI"])
     part = loop.run(cfg, *params, part, cycles)
     state, pool = _scatter(state, pool, part.replace(aux_BSI=None), jnp.int32(0))

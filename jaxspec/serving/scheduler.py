@@ -187,14 +187,16 @@ class Scheduler:
         chunk = self.config.prefill_chunk
         return (self._cap - 1) // chunk * chunk
 
-    def submit(self, request: Request) -> None:
-        """Queue a request (validated: prompt ids in the vocabulary, fits the context). Raises QueueFull."""
+    def submit(self, request: Request, *, bounded: bool = True) -> None:
+        """Queue a request (validated: prompt ids in the vocabulary, fits the context). Raises QueueFull past
+        max_queue waiting requests, unless not `bounded` (the warm-up's dummy requests, which fill a bucket's slots at
+        once whatever the bound)."""
         request.validate(self.vocab_size)
         problem = self.check(len(request.prompt), request.max_tokens)
         if problem:
             raise ValueError(problem)
         with self._lock:
-            if len(self._queue) >= self.config.max_queue:
+            if bounded and len(self._queue) >= self.config.max_queue:
                 raise QueueFull(f"the queue holds {self.config.max_queue} waiting requests; retry later")
             request.arrival = time.perf_counter()
             self._queue.append(request)

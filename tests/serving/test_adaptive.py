@@ -330,26 +330,24 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
     assert policy.choose(2, 2) == max((PLAIN, CHAIN), key=lambda s: policy.predict(s, 2, 2))
 
 
-@pytest.mark.parametrize("config", [ENGINE_CONFIG, CONFIG], ids=["fixed", "auto"])
-def test_the_warm_up_runs_every_segment_program_over_live_rows(pair, config):
-    """Once compiled, every (batch bucket, draft shape, program) runs cycles over a live row, and each chain of an
-    adaptive engine runs its catch-up (a row the drafter is behind on: one not fed at prefill): the compile runs' rows
+def test_the_warm_up_runs_every_segment_program_over_live_rows(pair):
+    """Once compiled, every (batch bucket, draft shape, program) runs cycles over a live row, and each chain runs
+    its catch-up (a row the drafter is behind on: one not fed at prefill): the compile runs' rows
     are done, and on XLA:CPU a loop body's first run took 15-30 ms more than its next, which a fresh server's first
     requests paid (Engine._first_runs). Segments of 8 cycles: the warm-up's first dummy request is done after its
-    first (so no compile run finds it live, as with the bundled pair at the defaults)."""
+    first (so no compile run finds it live, as with the bundled pair at the defaults). And no queue (--max-queue 0):
+    the warm-up's requests fill a bucket's slots at once whatever the bound (it raised QueueFull)."""
     from jaxspec.serving.engine import Engine
 
-    config = dataclasses.replace(config, greedy_program=True, segment_cycles=8)  # (the programs greedy_engine's)
+    config = dataclasses.replace(CONFIG, greedy_program=True, segment_cycles=8, max_queue=0)  # greedy_engine's programs
     target, drafter, tokenizer = pair
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
     ran, caught_up, run = set(), set(), engine.executor.run
 
     def recording(plan: StepPlan):
         before = engine.executor.state
-        cycles, lazy = np.asarray(before.row_cycles_B), before.drafted_B is not None
-        behind = (
-            ~np.asarray(before.done_B) & (np.asarray(before.drafted_B) < np.asarray(before.length_B)) if lazy else 0
-        )
+        cycles = np.asarray(before.row_cycles_B)
+        behind = ~np.asarray(before.done_B) & (np.asarray(before.drafted_B) < np.asarray(before.length_B))
         unfed = np.zeros(len(cycles), bool)
         unfed[[c.row for c in plan.prefill if not c.drafter]] = True
         result = run(plan)
@@ -358,7 +356,7 @@ def test_the_warm_up_runs_every_segment_program_over_live_rows(pair, config):
             live = np.asarray(engine.executor.state.row_cycles_B)[rows] > cycles[rows]
             key = (plan.segment.rows, plan.segment.draft, plan.segment.greedy)
             ran.update([key] if live.any() else [])
-            chain = lazy and not plan.segment.draft.plain
+            chain = not plan.segment.draft.plain
             caught_up.update([key] if chain and (live & (behind | unfed)[rows]).any() else [])
         return result
 
@@ -366,10 +364,7 @@ def test_the_warm_up_runs_every_segment_program_over_live_rows(pair, config):
     engine.warmup(lambda _: None)
     programs = Programs.of(config).programs
     assert ran == {(b, s, g) for b in config.buckets for s in config.shapes for g in programs}
-    chains = [s for s in config.shapes if not s.plain]
-    assert caught_up == (
-        {(b, s, g) for b in config.buckets for s in chains for g in programs} if config.adaptive else set()
-    )
+    assert caught_up == {(b, s, g) for b in config.buckets for s in config.shapes if not s.plain for g in programs}
 
 
 @pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 3.0), (0, 1.5), (1, 2.5)])
