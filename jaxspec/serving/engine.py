@@ -279,7 +279,7 @@ class Engine:
         self.cancel(second)
         self.run_until_idle()
         used = f", {maps_in_use() - budget.start:,} memory maps (limit {budget.limit:,})" if budget else ""
-        if times := self._first_runs():  # (none where a dummy request of two segments does not fit a slot)
+        if times := self._first_runs():  # (none where its dummy requests do not fit a slot)
             on_progress(f"  every segment program run over live rows ({time.perf_counter() - start:.1f}s)")
         policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
         if len(cfg.shapes) > 1:  # a fresh server's first segments run the predicted best shape, not a guess
