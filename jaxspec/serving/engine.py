@@ -249,8 +249,7 @@ class Engine:
             f"compiling {programs.describe()}{maps}: {cfg.max_batch} slots x {cfg.max_context} positions, prefill "
             f"chunk {cfg.prefill_chunk}, {cfg.segment_cycles} cycles per segment, {jax.process_count()} process(es)"
         )
-        dummy = lambda request: self.scheduler.submit(request, bounded=False)  # whatever --max-queue
-        dummy(Request([1] * 3, 2 + draft.num_steps, RowSpec(Sampling(1.0), seed=0)))
+        self._dummy(Request([1] * 3, 2 + draft.num_steps, RowSpec(Sampling(1.0), seed=0)))
         self.step()  # admit + prefill + segment
         on_progress(f"  admit, prefill and segment programs compiled ({time.perf_counter() - start:.1f}s)")
         before, compiled = maps_in_use(), 0
@@ -274,7 +273,7 @@ class Engine:
         self._run(StepPlan(0, admit=(RowAdmission(0, (1,) * (chunk + 1), 1, cached=chunk),)))
         self._run(StepPlan(0, free=(0,)))
         second = Request([1] * 3, 8)
-        dummy(second)
+        self._dummy(second)
         self.step()
         self.cancel(second)
         self.run_until_idle()
@@ -320,13 +319,17 @@ class Engine:
                     policy.shape = shape
                     for rows in cfg.buckets:
                         for _ in range(rows):
-                            self.scheduler.submit(Request([1] * 3, n, spec), bounded=False)
+                            self._dummy(Request([1] * 3, n, spec))
                         self.run_until_idle()
             return timed.seconds_per_cycle()
         finally:
             self.scheduler.policy = real
 
     # ------------------------------------------------------------------ internals
+    def _dummy(self, request: Request) -> None:
+        """Queue one of the warm-up's dummy requests: whatever --max-queue (they fill a bucket's slots at once)."""
+        self.scheduler.submit(request, bounded=False)
+
     def _run(self, plan: StepPlan) -> StepResult:
         """Run `plan` here, after sending it to the other processes (which run every plan in the same order)."""
         if self.channel is not None:

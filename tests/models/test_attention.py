@@ -140,7 +140,7 @@ def test_a_target_reads_its_cache_in_blocks_of_its_platform():
     with lowering_for_gpu(target.mesh) as gpu:  # an abstract mesh (jax.export for CUDA): its abstract device's
         on_gpu = dataclasses.replace(target, mesh=gpu)
         assert on_gpu.kv_block == KV_BLOCK
-        assert on_gpu.abstract_pool(2, 128, 64).pool.shape[1] == 2 * 128 // 64 + 1  # its layout: by platform too
+        assert on_gpu.abstract_pool(2, 128, 64).pool.shape[1] == 2 * 128 // 64 + 1  # (its layout asked mesh.devices)
     assert dataclasses.replace(target, mesh=target.mesh.abstract_mesh).kv_block == CPU_KV_BLOCK  # its devices'
     nameless = jax.sharding.AbstractMesh((1, 1), target.mesh.axis_names)
     assert nameless.abstract_device is None and dataclasses.replace(target, mesh=nameless).kv_block == KV_BLOCK

@@ -332,11 +332,11 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
 
 def test_the_warm_up_runs_every_segment_program_over_live_rows(pair):
     """Once compiled, every (batch bucket, draft shape, program) runs cycles over a live row, and each chain runs
-    its catch-up (a row the drafter is behind on: one not fed at prefill): the compile runs' rows
-    are done, and on XLA:CPU a loop body's first run took 15-30 ms more than its next, which a fresh server's first
-    requests paid (Engine._first_runs). Segments of 8 cycles: the warm-up's first dummy request is done after its
-    first (so no compile run finds it live, as with the bundled pair at the defaults). And no queue (--max-queue 0):
-    the warm-up's requests fill a bucket's slots at once whatever the bound (it raised QueueFull)."""
+    its catch-up (a row the drafter is behind on: one not fed at prefill): the compile runs' rows are done, and on
+    XLA:CPU a loop body's first run took 15-30 ms more than its next, which a fresh server's first requests paid
+    (Engine._first_runs). Segments of 8 cycles: the warm-up's first dummy request is done after its first (so no
+    compile run finds it live, as with the bundled pair at the defaults). And no queue (--max-queue 0): the warm-up's
+    requests fill a bucket's slots at once whatever the bound (it raised QueueFull)."""
     from jaxspec.serving.engine import Engine
 
     config = dataclasses.replace(CONFIG, greedy_program=True, segment_cycles=8, max_queue=0)  # greedy_engine's programs
