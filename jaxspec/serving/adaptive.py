@@ -333,14 +333,14 @@ class Scripted:
 
 class Calibration:
     """The scheduler's policy during the warm-up's runs of every program: every segment runs `shape` (set by the
-    caller), no row is fed the drafter at prefill (a chain's first segment on a row runs its catch-up, as a fresh
-    adaptive server's first chain does), and each segment that ran only cycles is timed per cycle by (shape, row
-    bucket)."""
+    caller), no row is fed the drafter at prefill but those whose prompt is `fed_prompt` tokens long (a chain's
+    first segment on a row runs its catch-up, as a fresh adaptive server's first chain does; the warm-up's fed rows
+    end at their prompt), and each segment that ran only cycles is timed per cycle by (shape, row bucket)."""
 
     predicted, probing = None, False
 
-    def __init__(self, shape: DraftShape):
-        self.shape = shape
+    def __init__(self, shape: DraftShape, fed_prompt: int | None = None):
+        self.shape, self.fed_prompt = shape, fed_prompt
         self.times: dict[tuple[DraftShape, int], list[float]] = collections.defaultdict(list)
         self._last: Counters | None = None
 
@@ -348,7 +348,7 @@ class Calibration:
         return self.shape
 
     def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
-        return False
+        return context == self.fed_prompt
 
     def admitted(self, fed: bool) -> None:
         pass

@@ -302,25 +302,35 @@ class Engine:
         bundled pair, 8 rows: a plain segment 28.6 ms then 12.6, a k = 4 chain 70.3 then 44, sampled 104 then 72;
         a chain's first catch-up 10 ms), which a fresh server's first requests paid. A dummy request runs one cycle
         (all a first run needs), but an adaptive engine's greedy ones two segments' tokens: their cycle time per
-        (shape, row bucket) is what its policy starts from (returned; nothing runs where they do not fit a slot)."""
-        cfg = self.config
+        (shape, row bucket) is what its policy starts from (returned; nothing runs where they do not fit a slot).
+
+        A segment program also runs the prefill chunks of rows admitted beside generating ones (a loop of its own in
+        the program, whose first run cost as much: a plain segment over 8 rows with a 64-token chunk took 40.6 ms
+        the first time and 21-22 ms after, a k = 4 chain's 85 then 57-60), so each bucket's round also has dummies
+        whose prompt is two chunks long and that stop at its end (max_tokens 1), placed so that their second chunk
+        runs inside a segment over the others at that bucket (`_round`): one, and on an adaptive engine (whose rows
+        are fed the drafter at prefill or not, two paths of each chunk loop) a second, fed one."""
+        cfg, C = self.config, self.config.prefill_chunk
         tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1) if len(cfg.shapes) > 1 else 2
         if self.check(3, tokens) is not None:
             return {}
-        timed = Calibration(cfg.shapes[0])
+        fits = cfg.max_batch > 1 and self.check(C + 2, 1) is None
+        late = ((C + 1, C + 2) if len(cfg.shapes) > 1 else (C + 1,)) if fits else ()  # C + 2: fed (Calibration)
+        timed = Calibration(cfg.shapes[0], fed_prompt=C + 2)
         passes = [(timed, RowSpec(ignore_eos=True), tokens)]
         if cfg.greedy_program:  # else the greedy requests ran the per-row program already
-            passes.append((Calibration(cfg.shapes[0]), RowSpec(Sampling(1.0), seed=0, ignore_eos=True), 2))
-        real = self.scheduler.policy
+            passes.append((Calibration(cfg.shapes[0], C + 2), RowSpec(Sampling(1.0), seed=0, ignore_eos=True), 2))
+        real, rounds = self.scheduler.policy, 0
         try:
             for policy, spec, n in passes:
                 self.scheduler.policy = policy
                 for shape in cfg.shapes:
                     policy.shape = shape
                     for rows in cfg.buckets:
-                        for _ in range(rows):
-                            self._dummy(Request([1] * 3, n, spec))
+                        for request in _round(rows, cfg.max_batch, n, spec, late, f"jaxspec warm-up {rounds}"):
+                            self._dummy(request)
                         self.run_until_idle()
+                        rounds += 1
             return timed.seconds_per_cycle()
         finally:
             self.scheduler.policy = real
@@ -391,3 +401,16 @@ class Engine:
                     self.channel.publish(fanout.RESET)
                 self.executor.reset()
                 self._counters = None
+
+
+def _round(rows: int, slots: int, n: int, spec: RowSpec, late: tuple[int, ...], salt: str) -> list[Request]:
+    """A warm-up round's dummy requests, in the order they take free slots: `rows` short ones of `n` tokens, the
+    last in slot `rows` - 1 (so their segments run at the bucket of `rows` rows), and one request per prompt length
+    in `late` (two chunks; it ends at its prompt) as fit in `slots`: in the slots under the last short one first,
+    then above it, where its second chunk runs beside the short ones' first cycles. Each late one's prompt is salted
+    (`salt`): none is served another's first chunk from the prefix cache."""
+    lates = [Request([1] * m, 1, dataclasses.replace(spec, cache_salt=f"{salt}.{i}")) for i, m in enumerate(late)]
+    below = min(len(lates), rows - 1)
+    above = min(len(lates) - below, slots - rows)
+    shorts = [Request([1] * 3, n, spec) for _ in range(rows - below)]
+    return [*lates[:below], *shorts, *lates[below : below + above]]

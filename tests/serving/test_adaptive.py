@@ -331,18 +331,22 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
 
 
 def test_the_warm_up_runs_every_segment_program_over_live_rows(pair):
-    """Once compiled, every (batch bucket, draft shape, program) runs cycles over a live row, and each chain runs
-    its catch-up (a row the drafter is behind on: one not fed at prefill): the compile runs' rows are done, and on
-    XLA:CPU a loop body's first run took 15-30 ms more than its next, which a fresh server's first requests paid
-    (Engine._first_runs). Segments of 8 cycles: the warm-up's first dummy request is done after its first (so no
-    compile run finds it live, as with the bundled pair at the defaults). And no queue (--max-queue 0): the warm-up's
-    requests fill a bucket's slots at once whatever the bound (it raised QueueFull)."""
+    """Once compiled, every (batch bucket, draft shape, program) runs cycles over a live row, each chain runs its
+    catch-up (a row the drafter is behind on: one not fed at prefill), and each runs a prefill chunk fed the drafter
+    and one not beside a live row: the compile runs' rows are done, and on XLA:CPU a loop body's first run took 15-30
+    ms more than its next, which a fresh server's first requests paid (Engine._first_runs). Segments of 8 cycles: the
+    warm-up's first dummy request is done after its first (so no compile run finds it live, as with the bundled pair
+    at the defaults). And no queue (--max-queue 0): the warm-up's requests fill a bucket's slots at once whatever the
+    bound (it raised QueueFull). One bucket of 3 rows: both of a round's two-chunk dummies fit beside a short one."""
     from jaxspec.serving.engine import Engine
 
-    config = dataclasses.replace(CONFIG, greedy_program=True, segment_cycles=8, max_queue=0)  # greedy_engine's programs
+    # greedy_engine's programs
+    config = dataclasses.replace(
+        CONFIG, greedy_program=True, segment_cycles=8, max_queue=0, max_batch=3, batch_buckets=(3,)
+    )
     target, drafter, tokenizer = pair
     engine = Engine(target, drafter, config, stop_ids=tokenizer.stop_ids)
-    ran, caught_up, run = set(), set(), engine.executor.run
+    ran, caught_up, chunks, run = set(), set(), set(), engine.executor.run
 
     def recording(plan: StepPlan):
         before = engine.executor.state
@@ -358,6 +362,7 @@ def test_the_warm_up_runs_every_segment_program_over_live_rows(pair):
             ran.update([key] if live.any() else [])
             chain = not plan.segment.draft.plain
             caught_up.update([key] if chain and (live & (behind | unfed)[rows]).any() else [])
+            chunks.update((*key, c.drafter) for c in plan.prefill if live.any())
         return result
 
     engine.executor.run = recording
@@ -365,6 +370,8 @@ def test_the_warm_up_runs_every_segment_program_over_live_rows(pair):
     programs = Programs.of(config).programs
     assert ran == {(b, s, g) for b in config.buckets for s in config.shapes for g in programs}
     assert caught_up == {(b, s, g) for b in config.buckets for s in config.shapes if not s.plain for g in programs}
+    fed = (False, True)
+    assert chunks == {(b, s, g, f) for b in config.buckets for s in config.shapes for g in programs for f in fed}
 
 
 @pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 3.0), (0, 1.5), (1, 2.5)])
