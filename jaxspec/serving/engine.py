@@ -314,8 +314,8 @@ class Engine:
         tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1) if len(cfg.shapes) > 1 else 2
         if self.check(3, tokens) is not None:
             return {}
-        fits = cfg.max_batch > 1 and self.check(C + 2, 1) is None
-        late = ((C + 1, C + 2) if len(cfg.shapes) > 1 else (C + 1,)) if fits else ()  # C + 2: fed (Calibration)
+        late = (C + 1, C + 2) if len(cfg.shapes) > 1 else (C + 1,)  # C + 2: fed the drafter (Calibration)
+        late = tuple(m for m in late if cfg.max_batch > 1 and self.check(m, 1) is None)
         timed = Calibration(cfg.shapes[0], fed_prompt=C + 2)
         passes = [(timed, RowSpec(ignore_eos=True), tokens)]
         if cfg.greedy_program:  # else the greedy requests ran the per-row program already
