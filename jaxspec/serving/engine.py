@@ -314,12 +314,13 @@ class Engine:
         tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1) if len(cfg.shapes) > 1 else 2
         if self.check(3, tokens) is not None:
             return {}
-        late = (C + 1, C + 2) if len(cfg.shapes) > 1 else (C + 1,)  # C + 2: fed the drafter (Calibration)
+        fed = C + 2  # the prompt length Calibration feeds the drafter
+        late = (C + 1, fed) if len(cfg.shapes) > 1 else (C + 1,)
         late = tuple(m for m in late if cfg.max_batch > 1 and self.check(m, 1) is None)
-        timed = Calibration(cfg.shapes[0], fed_prompt=C + 2)
+        timed = Calibration(cfg.shapes[0], fed)
         passes = [(timed, RowSpec(ignore_eos=True), tokens)]
         if cfg.greedy_program:  # else the greedy requests ran the per-row program already
-            passes.append((Calibration(cfg.shapes[0], C + 2), RowSpec(Sampling(1.0), seed=0, ignore_eos=True), 2))
+            passes.append((Calibration(cfg.shapes[0], fed), RowSpec(Sampling(1.0), seed=0, ignore_eos=True), 2))
         real, rounds = self.scheduler.policy, 0
         try:
             for policy, spec, n in passes:

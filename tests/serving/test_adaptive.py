@@ -374,6 +374,23 @@ def test_the_warm_up_runs_every_segment_program_over_live_rows(pair):
     assert chunks == {(b, s, g, f) for b in config.buckets for s in config.shapes for g in programs for f in fed}
 
 
+@pytest.mark.parametrize(("rows", "slots", "late"), [(1, 4, 2), (2, 4, 2), (4, 4, 2), (1, 2, 2), (2, 2, 1), (3, 8, 1)])
+def test_a_warm_up_round_puts_its_two_chunk_dummies_beside_the_bucket_s_rows(rows, slots, late):
+    """`engine._round`: in slot order, the last short dummy takes slot rows - 1 (its segments run at the bucket of
+    `rows`), the two-chunk ones take the slots under it first, then above it, as many as `slots` hold, each salted
+    apart (no cached first chunk)."""
+    from jaxspec.serving.engine import _round
+
+    spec = RowSpec(ignore_eos=True)
+    requests = _round(rows, slots, 5, spec, (17, 18)[:late], "warm-up 0")
+    short = [len(r.prompt) == 3 for r in requests]
+    assert len(requests) <= slots and short.count(False) == min(late, slots - 1)  # all beside one short one
+    assert max(i for i, s in enumerate(short) if s) == rows - 1
+    assert all(r.max_tokens == (5 if s else 1) for r, s in zip(requests, short, strict=True))
+    salts = [r.spec.cache_salt for r, s in zip(requests, short, strict=True) if not s]
+    assert len(set(salts)) == len(salts) and None not in salts
+
+
 @pytest.mark.parametrize(("accepted", "chain_cost"), [(0, 3.0), (0, 1.5), (1, 2.5)])
 def test_the_policy_re_measures_the_other_shape_for_a_small_share_of_the_time(accepted, chain_cost):
     """With the chain losing (x = its predicted throughput / plain decoding's), it runs again once the time spent
