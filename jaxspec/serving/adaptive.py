@@ -10,7 +10,12 @@ online, from the executor's `StepResult`s:
 - the drafter's conditional acceptance per draft position a_j: the per-position reached / accepted counters, decayed
   by DECAY per drafting segment (a chain's a_j is a property of the drafter on the traffic, not of its depth, so
   every chain shares them; a tree's, how often depth j is accepted once reached, are its own: it is then the one
-  drafting candidate), over all traffic and per context range.
+  drafting candidate), over all traffic and per context range; and apart for rows fed the drafter at prefill and
+  rows not (`feeds_drafter`; each row's own counters tell them apart): a chain on an unfed row drafts with no drafter
+  entries for its prompt and accepts less (the bundled pair at 128 tokens: a_j 0.56, 0.40, 0 on a fresh server's
+  first, unfed row, 0.73, 0.80, 0.85 on the fed rows after it). The unfed rows' a_j take the fed rows' as their prior
+  (as a range's take every range's, below); a recorded acceptance is a fed row's. A segment's E is its rows' mean,
+  each row's by its own.
 The context range of a segment is `context_range` of its longest generating row's live length (prompt and tokens so
 far: what the scheduler knows, not the compiled context bucket): ranges of CONTEXT_RANGE positions, then each 4x
 longer. A cycle costs more as the context grows and a drafter accepts less far from what it was trained on, so a long
@@ -47,26 +52,32 @@ after a few segments). Learning what a shape costs costs time where it loses, so
   less often it is tried.
 A row is fed the drafter at prefill (`feeds_drafter`) only where a chain is predicted at FEED x plain decoding's
 throughput or more, in its prompt's context range, at the row bucket that will serve it (the rows generating or queued
-when it is admitted, itself included: at the nearest bucket where both were timed), with an acceptance measured on this
-server's traffic: a recorded one (`prior`) chooses shapes, but never feeds a row. Else its prefill runs no drafter at
-all (a chain that later runs on the row drafts from the prompt's last position on: the drafter-alone step at prefill
-took 8.7% of a prefill program over 8 unfed rows). The drafter's prefill over the whole prompt is a cost paid for chains
-(`python benchmarks/serve_feed.py`, bundled pair, 128-token prompts: 16-18% of a fed prompt's prefill; a long prompt's
-prefill is most of its request's time), for 3-7% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval, 4.17
-against 4.04 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on
-the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains
-on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance, which a re-measuring
-chain then also sees; so once a chain has measured the drafter on this traffic, every FEED_EVERY-th admission is fed
-all the same, and chains keep measuring the drafter as it is on traffic that changes. (Not before: until then no chain
-runs but a first one, at once where one is predicted to win, else after seconds of exploring's wait, which a row fed
-now would not live to see; on a fresh server with a drafter that accepts nothing, the 16th request's prefill fed for
-no chain was 1.8% of the load at 8 rows.)
+when it is admitted, itself included: at the nearest bucket where both were timed), with a fed row's acceptance, once a
+chain has measured the drafter on this server's traffic: a recorded acceptance (`prior`) chooses shapes, but never feeds
+a row before then; and until a chain has measured it on a fed row, one row only (a fresh server's first rows are not
+fed, and their chains measure an unfed row's acceptance: with the two counted together, the long-context benchmark's
+first request ended with the chain predicted at 1.07x plain decoding in one run, and under 1 in two runs of seven, where
+every next request went unfed and plain, 0.86 of the chain; one row, as the recorded acceptance a fed row is then
+predicted by can be of other prompts: feeding every other row on it cost the fresh-server benchmark's HumanEval load at
+8 rows 0.945 -> 0.887 of plain decoding in one run). Else its prefill runs no drafter at all (a chain that later runs on
+the row drafts from the prompt's last position on: the drafter-alone step at prefill took 8.7% of a prefill program over
+8 unfed rows). The drafter's prefill over the whole prompt is a cost paid for chains (`python benchmarks/serve_feed.py`,
+bundled pair, 128-token prompts: 16-18% of a fed prompt's prefill; a long prompt's prefill is most of its request's
+time), for 3-7% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval, 4.17 against 4.04 on the held-out files);
+and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on the held-out files, 0.46 measured on
+HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains on an unfed row draft with no
+drafter entries for its prompt: lossless, at that lower acceptance (counted apart); so once a chain has measured the
+drafter on this traffic, every FEED_EVERY-th admission is fed all the same, and chains keep measuring a fed row's
+acceptance on traffic that changes. (Not before: until then no chain runs but a first one, at once where one is
+predicted to win, else after seconds of exploring's wait, which a row fed now would not live to see; on a fresh server
+with a drafter that accepts nothing, the 16th request's prefill fed for no chain was 1.8% of the load at 8 rows.)
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -88,6 +99,8 @@ FEED_EVERY = 16  # ... and then every FEED_EVERY-th admission all the same (a fe
 PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
 UNKNOWN_ACCEPTANCE = 0.5  # a_j predicted at a draft position nothing has measured or given
 CONTEXT_RANGE = 256  # the first context range's longest live length; each next range is 4x longer
+
+Unfed = tuple[Sequence[int], Sequence[int]] | None  # (reached, accepted) per draft position counted by unfed rows
 
 
 def context_range(length: int) -> int:
@@ -114,15 +127,18 @@ class DraftPolicy:
         self.depth = max(s.num_steps for s in shapes)
         self.cycle_seconds: dict[tuple[DraftShape, int, int], float] = {}  # (shape, row bucket, range) -> T
         self._recent: dict[tuple[DraftShape, int, int], collections.deque] = {}
-        self.reached, self.accepted = np.zeros(self.depth), np.zeros(self.depth)  # decayed, over every range
-        self._spans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # context range -> its (reached, accepted)
+        # (fed, context range or None: every range) -> the decayed (reached, accepted) counters of the rows fed the
+        # drafter at prefill (fed; with the prior) or not: a chain accepts less on a row not fed
+        self._counts: dict[tuple[bool, int | None], tuple[np.ndarray, np.ndarray]] = {}
         self._idle: dict[tuple[DraftShape, int, int], float] = {}  # seconds of a (bucket, range)'s segments since
         self._last: Counters | None = None
         self.predicted: float | None = None  # tokens/s predicted for the last chosen segment (None: not yet timed)
         self.probing = False  # the last chosen segment measures a timed shape's acceptance alone: one cycle will do
-        self._expected: dict[tuple[int, int], float] = {}  # (draft depth, range) -> E under the current counters
+        self._expected: dict[tuple[int, int, bool], float] = {}  # (draft depth, range, fed) -> E under the counters
         self._unfed = 0  # admissions not fed the drafter in a row
         self._measured_online = False  # a drafting segment has counted acceptance on this traffic
+        self._fed_online = False  # ... on rows fed the drafter at prefill
+        self._fed_any = False  # a row has been fed the drafter at prefill
         self._calibrated: dict[tuple[DraftShape, int], float] = {}  # (shape, row bucket) -> T timed at warm-up
         self._online: set[tuple[DraftShape, int, int]] = set()  # (shape, row bucket, range) timed by segments
 
@@ -131,8 +147,8 @@ class DraftPolicy:
         worth PRIOR_ROW_CYCLES row-cycles: the first segments predict from it, and online counters outweigh it."""
         given = np.clip(np.nan_to_num(np.asarray(acceptance, np.float64)[: self.depth]), 0.0, 1.0)
         reached = np.where(np.arange(self.depth) < len(given), PRIOR_ROW_CYCLES, 0.0)
-        self.reached = self.reached + reached
-        self.accepted = self.accepted + np.pad(given, (0, self.depth - len(given))) * reached
+        before, given = self._counted(True, None), np.pad(given, (0, self.depth - len(given)))
+        self._counts[True, None] = (before[0] + reached, before[1] + given * reached)
         self._expected.clear()
 
     def since(self, counters: Counters) -> None:
@@ -150,35 +166,55 @@ class DraftPolicy:
         self._measured((shape, rows, 0), seconds_per_cycle)
         self._calibrated[shape, rows] = seconds_per_cycle
 
-    def acceptance(self, context: int | None = None) -> np.ndarray:
-        """The decayed a_j per draft position (NaN where never reached): over every context range, or in the range
-        of `context`: its own counters, with the overall a_j as a prior worth PRIOR_ROW_CYCLES row-cycles, the
-        deeper positions' scaled by how the range's a_1 compares with the overall a_1 (a chain seldom reaches them
-        where a_1 is low, so their own counters stay few; the bundled pair's a_j at 768 tokens were 0.37-0.44x its
+    def acceptance(self, context: int | None = None, fed: bool = True) -> np.ndarray:
+        """The decayed a_j per draft position (NaN where never reached) of rows fed the drafter at prefill (`fed`; the
+        recorded acceptance is theirs) or not: over every context range, or in the range of `context`. Each narrower
+        set of counters is predicted from its own with the wider one's a_j as a prior (`_shrunk`): unfed rows' from
+        the fed rows', a range's from its rows' over every range."""
+        a = conditional_acceptance(*self._counted(True, None))
+        if not fed:
+            a = self._shrunk(False, None, a)
+        return a if context is None else self._shrunk(fed, context_range(context), a)
+
+    def _shrunk(self, fed: bool, span: int | None, wider: np.ndarray) -> np.ndarray:
+        """The a_j of the counters at (`fed`, `span`), with `wider` as a prior worth PRIOR_ROW_CYCLES row-cycles,
+        its deeper positions' scaled by how these counters' a_1 compares with its a_1 (a chain seldom reaches them
+        where a_1 is low, so their own counters stay few: the bundled pair's a_j at 768 tokens were 0.37-0.44x its
         a_j at 128 at every position, where an unscaled prior kept a_2..a_4 at the short range's and predicted a
-        losing chain at 0.9x plain decoding)."""
-        overall = conditional_acceptance(self.reached, self.accepted)
-        if context is None or context_range(context) not in self._spans:
-            return overall
-        reached, accepted = self._spans[context_range(context)]
-        weight, prior = np.where(np.isfinite(overall), PRIOR_ROW_CYCLES, 0.0), np.nan_to_num(overall)
+        losing chain at 0.9x plain decoding; on an unfed row they were 0.56, 0.40, 0 where fed rows' were 0.73,
+        0.80, 0.85). `wider` where these counters count nothing."""
+        if (fed, span) not in self._counts:
+            return wider
+        reached, accepted = self._counts[fed, span]
+        weight, prior = np.where(np.isfinite(wider), PRIOR_ROW_CYCLES, 0.0), np.nan_to_num(wider)
         own = conditional_acceptance(reached + weight, accepted + weight * prior)
         if prior[0] > 0:  # then own[0] is finite (the prior weighs in)
             prior[1:] = np.minimum(prior[1:] * own[0] / prior[0], 1.0)
             own = conditional_acceptance(reached + weight, accepted + weight * prior)
         return own
 
-    def predict(self, shape: DraftShape, rows: int, generating: int, context: int = 0) -> float | None:
-        """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating, the longest
-        `context` positions long (None: not timed at that bucket yet)."""
+    def _counted(self, fed: bool, span: int | None) -> tuple[np.ndarray, np.ndarray]:
+        return self._counts.get((fed, span), (np.zeros(self.depth), np.zeros(self.depth)))
+
+    def predict(
+        self, shape: DraftShape, rows: int, generating: int, context: int = 0, fed: int | None = None
+    ) -> float | None:
+        """Tokens per second of `shape` over a bucket of `rows` rows with `generating` rows generating, `fed` of them
+        fed the drafter at prefill (None: all), the longest `context` positions long (None: not timed at that bucket
+        yet)."""
         t = self._cycle(shape, rows, context_range(context))
         if t is None:
             return None
-        key = (shape.num_steps, context_range(context))
+        fed = generating if fed is None else fed
+        return (fed * self._tokens(shape, context, True) + (generating - fed) * self._tokens(shape, context, False)) / t
+
+    def _tokens(self, shape: DraftShape, context: int, fed: bool) -> float:
+        """E: the tokens a cycle of `shape` yields per row (fed or not), `context` positions long."""
+        key = (shape.num_steps, context_range(context), fed)
         if key not in self._expected:  # once per depth and range between observations (the scheduler's per step)
-            a = np.nan_to_num(self.acceptance(context), nan=UNKNOWN_ACCEPTANCE)
+            a = np.nan_to_num(self.acceptance(context, fed), nan=UNKNOWN_ACCEPTANCE)
             self._expected[key] = expected_tokens(a, shape.num_steps)
-        return generating * self._expected[key] / t
+        return self._expected[key]
 
     def _cycle(self, shape: DraftShape, rows: int, span: int) -> float | None:
         """T of `shape` at (`rows`, range `span`), as at the nearest range measured at that bucket (by any shape); a
@@ -200,11 +236,11 @@ class DraftPolicy:
         t = self.cycle_seconds[shape, rows, near]
         return t * float(np.median(ratios)) if ratios else t
 
-    def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
-        """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating, the
-        longest `context` positions long."""
+    def choose(self, rows: int, generating: int, context: int = 0, fed: int | None = None) -> DraftShape:
+        """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating and `fed`
+        of those fed the drafter at prefill (None: all), the longest `context` positions long."""
         timed = {s: sum(len(d) for (x, b, _), d in self._recent.items() if (x, b) == (s, rows)) for s in self.shapes}
-        predicted = {s: self.predict(s, rows, generating, context) for s in self.shapes if timed[s]}
+        predicted = {s: self.predict(s, rows, generating, context, fed) for s in self.shapes if timed[s]}
         best = max(predicted.values(), default=None)
         close = lambda s: predicted[s] >= LOSING * best
         learning = [
@@ -222,24 +258,31 @@ class DraftPolicy:
                     shape = other
                     break
         self.probing = timed[shape] > 0 and not self._measured_online and not shape.plain
-        self.predicted = self.predict(shape, rows, generating, context)
+        self.predicted = self.predict(shape, rows, generating, context, fed)
         return shape
 
     def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
         """Whether a row admitted now, its prompt `context` tokens long, served beside others in a bucket of `rows`
-        rows in all (None: at any bucket), is fed the drafter at prefill: where a chain measured on this traffic is
-        predicted at FEED x plain decoding or more there, or a chain has measured the drafter on this traffic and the
-        last FEED_EVERY - 1 admissions (`admitted`) were not fed."""
-        return self._drafter_pays(context, rows) or (self._measured_online and self._unfed >= FEED_EVERY - 1)
+        rows in all (None: at any bucket), is fed the drafter at prefill, once a chain has measured the drafter on
+        this traffic: where a chain is predicted at FEED x plain decoding or more there on a fed row (but until a chain
+        has measured a fed row, one row only: the first rows a fresh server serves are not fed, and a chain on them
+        measures a lower acceptance than a fed row's, which would keep every next row unfed; where the recorded
+        acceptance a fed row is predicted by is of other prompts, more would pay for it), or where the last
+        FEED_EVERY - 1 admissions (`admitted`) were not fed."""
+        if self._measured_online and self._unfed >= FEED_EVERY - 1:
+            return True
+        learning = self._measured_online and not self._fed_online
+        return not (learning and self._fed_any) and self._drafter_pays(context, rows)
 
     def admitted(self, fed: bool) -> None:
         """A row was admitted, fed the drafter at prefill or not."""
         self._unfed = 0 if fed else self._unfed + 1
+        self._fed_any = self._fed_any or fed
 
     def _drafter_pays(self, context: int, rows: int | None) -> bool:
-        """Some chain predicted at FEED x plain decoding's throughput or more, `context` positions long, at the
-        bucket of `rows` rows or the nearest one where both were timed (None: at any), with an acceptance measured
-        online (else False); True where no bucket has both timed yet."""
+        """Some chain predicted at FEED x plain decoding's throughput or more on a fed row, `context` positions long,
+        at the bucket of `rows` rows or the nearest one where both were timed (None: at any), with an acceptance
+        measured online (else False); True where no bucket has both timed yet."""
         plain = [s for s in self.shapes if s.plain]
         chains = [s for s in self.shapes if not s.plain]
         if not plain or not chains:
@@ -257,9 +300,13 @@ class DraftPolicy:
         above = [b for b in pays if b >= rows]
         return pays[min(above) if above else max(pays)]
 
-    def observe(self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0) -> None:
+    def observe(
+        self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0, unfed: Unfed = None
+    ) -> None:
         """What a segment of the last plan took: its wall `seconds` (None: it ran prefill chunks too, so its time is
-        not its cycles'), the loop's counters after it, and its longest generating row's `context` when chosen."""
+        not its cycles'), the loop's counters after it, its longest generating row's `context` when chosen, and
+        `unfed`: the (reached, accepted) per draft position that its rows not fed the drafter at prefill counted
+        (their rows' own counters; None: every row was fed)."""
         last = self._last if self._last is not None and self._last.cycles <= counters.cycles else None
         delta = counters.minus(last) if last is not None else counters
         self._last = counters
@@ -274,13 +321,15 @@ class DraftPolicy:
             for shape in self.shapes:
                 idle = (shape, segment.rows, span)
                 self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
-        reached = np.asarray(delta.reached[: self.depth], np.float64)
-        if reached.any():
-            self._measured_online = True
-            accepted = np.asarray(delta.accepted[: self.depth], np.float64)
-            self.reached, self.accepted = DECAY * self.reached + reached, DECAY * self.accepted + accepted
-            before = self._spans.get(span, (np.zeros(self.depth), np.zeros(self.depth)))
-            self._spans[span] = (DECAY * before[0] + reached, DECAY * before[1] + accepted)
+        counted = np.asarray([delta.reached, delta.accepted], np.float64)[:, : self.depth]
+        apart = np.zeros_like(counted) if unfed is None else np.asarray(unfed, np.float64)[:, : self.depth]
+        for fed, (reached, accepted) in ((True, np.maximum(counted - apart, 0.0)), (False, apart)):
+            if not reached.any():
+                continue
+            self._measured_online, self._fed_online = True, self._fed_online or fed
+            for key in ((fed, None), (fed, span)):
+                before = self._counted(*key)
+                self._counts[key] = (DECAY * before[0] + reached, DECAY * before[1] + accepted)
             self._expected.clear()
 
     def _rescale_calibrated(self, rows: int, span: int) -> None:
@@ -318,10 +367,12 @@ class Scripted:
     def __init__(self, shapes: tuple[DraftShape, ...], feed: bool = True):
         self.shapes, self.feed = itertools.cycle(shapes), feed
 
-    def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
+    def choose(self, rows: int, generating: int, context: int = 0, fed: int | None = None) -> DraftShape:
         return next(self.shapes)
 
-    def observe(self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0) -> None:
+    def observe(
+        self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0, unfed: Unfed = None
+    ) -> None:
         pass
 
     def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
@@ -344,7 +395,7 @@ class Calibration:
         self.times: dict[tuple[DraftShape, int], list[float]] = collections.defaultdict(list)
         self._last: Counters | None = None
 
-    def choose(self, rows: int, generating: int, context: int = 0) -> DraftShape:
+    def choose(self, rows: int, generating: int, context: int = 0, fed: int | None = None) -> DraftShape:
         return self.shape
 
     def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
@@ -353,7 +404,9 @@ class Calibration:
     def admitted(self, fed: bool) -> None:
         pass
 
-    def observe(self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0) -> None:
+    def observe(
+        self, segment: Segment, counters: Counters, seconds: float | None, context: int = 0, unfed: Unfed = None
+    ) -> None:
         cycles = counters.cycles - (self._last.cycles if self._last is not None else counters.cycles)
         self._last = counters
         if seconds is not None and cycles > 0:

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.serving.adaptive import DraftPolicy
 from jaxspec.serving.blocks import BlockPool, BlockTables
@@ -240,7 +242,7 @@ class Scheduler:
         prefilling = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is not None]
         running = [i for i, s in enumerate(self.slots) if s is not None and s.next_chunk is None]
         prefill = tuple(self._prefill_chunk(i) for i in prefilling)
-        segment = self._segment(max(running) + 1, len(running)) if running else None
+        segment = self._segment(running) if running else None
         read = tuple(
             RowRead(
                 i, len(s.request.prompt) + len(s.request.tokens), s.request.echo and s.request.prompt_logprobs is None
@@ -257,16 +259,16 @@ class Scheduler:
         """Hand a step's new tokens to their requests; free the slots of finished ones."""
         if result.step != self.step:
             raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
-        if self._segment_run is not None and result.counters is not None:
-            self.policy.observe(self._segment_run, result.counters, result.segment_seconds, self._segment_context)
         now = time.perf_counter()
-        delivered = []
+        delivered, unfed = [], np.zeros((2, self.draft.num_steps), np.int64)  # unfed rows' (reached, accepted)
         for row in result.rows:
             slot = self.slots[row.row]
             if slot is None or slot.next_chunk is not None:
                 raise ValueError(f"StepResult.rows: row {row.row} holds no generating request")
             r, new = slot.request, list(row.tokens)
-            self._count(slot, row)
+            counted = self._count(slot, row)
+            if not slot.drafter:
+                unfed += counted
             if row.prompt_logprobs is not None:
                 r.prompt_logprobs = list(row.prompt_logprobs)
             if row.logprobs is not None:
@@ -283,6 +285,9 @@ class Scheduler:
                 self._finish(r, "stop" if stopped else "length", new)
             elif new:
                 r.notify(new)
+        if self._segment_run is not None and result.counters is not None:
+            seconds, context = result.segment_seconds, self._segment_context
+            self.policy.observe(self._segment_run, result.counters, seconds, context, unfed if unfed.any() else None)
         return StepReport(tuple(delivered), self._take_finished())
 
     def abandon(self, reason: str, *, queued: bool = True) -> StepReport:
@@ -303,17 +308,24 @@ class Scheduler:
         return StepReport((), self._take_finished())
 
     # ------------------------------------------------------------------ internals
-    def _count(self, slot: Slot, row: RowResult) -> None:
+    def _count(self, slot: Slot, row: RowResult) -> np.ndarray:
         """Add what the row's counters gained since its request last counted them to the request's speculation,
-        under this step's draft shape (only a segment runs cycles)."""
+        under this step's draft shape (only a segment runs cycles); returns the (reached, accepted) per draft
+        position they gained, as the loop's counters count them (a position is reached where the one before it was
+        accepted; the first, every cycle of a drafting shape)."""
         zero = (0,) * self.draft.num_steps
         (cycles, accepted), now = slot.counted, row.accepted or zero
         gained = row.cycles - cycles, [a - b for a, b in zip(now, accepted or zero, strict=True)]
         if gained[0] and self._segment_run is None:
             raise ValueError(f"StepResult.rows: row {row.row} ran {gained[0]} cycles in a step without a segment")
-        if gained[0]:
-            slot.request.speculation = slot.request.speculation.plus(self._segment_run.draft, *gained)
         slot.counted = row.cycles, now
+        counts = np.zeros((2, len(zero)), np.int64)
+        if gained[0]:
+            draft = self._segment_run.draft
+            slot.request.speculation = slot.request.speculation.plus(draft, *gained)
+            counts[0, : draft.num_steps] = [gained[0], *gained[1]][: draft.num_steps]
+            counts[1] = gained[1]
+        return counts
 
     def _apply_cancels(self) -> tuple[int, ...]:
         """Finish the cancelled requests; returns the rows to free (theirs and any abandoned ones)."""
@@ -406,16 +418,18 @@ class Scheduler:
         self.tables.prefilled(row, start + C)
         return PrefillChunk(row, start, slot.drafter)
 
-    def _segment(self, rows: int, generating: int) -> Segment:
-        """A segment over the smallest row bucket >= `rows`, drafting the policy's shape for these rows and the live
-        length of the longest (one cycle when the policy probes), static-greedy while every occupied row is greedy
-        (and the config allows it), else per-row. Each row reads its own cache blocks as far as its own length: no
-        context size is chosen."""
+    def _segment(self, running: list[int]) -> Segment:
+        """A segment over the smallest row bucket that holds the `running` rows (generating before this step's
+        prefill chunks), drafting the policy's shape for these rows (how many of them were fed the drafter at
+        prefill, and the live length of the longest), one cycle when the policy probes, static-greedy while every
+        occupied row is greedy (and the config allows it), else per-row. Each row reads its own cache blocks as far
+        as its own length: no context size is chosen."""
         cfg = self.config
-        b = next(b for b in cfg.buckets if b >= rows)
+        b = next(b for b in cfg.buckets if b > max(running))
         generating_rows = [t.request for t in self.slots if t is not None and t.next_chunk is None]
         self._segment_context = max(len(r.prompt) + len(r.tokens) for r in generating_rows)
-        draft = self.policy.choose(b, generating, self._segment_context)
+        fed = sum(self.slots[i].drafter for i in running)
+        draft = self.policy.choose(b, len(running), self._segment_context, fed)
         greedy = cfg.greedy_program and all(s is None or _greedy_program_serves(s.request) for s in self.slots)
         return Segment(b, draft, greedy, 1 if self.policy.probing else cfg.segment_cycles)
 

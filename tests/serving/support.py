@@ -71,7 +71,8 @@ class FakeExecutor:
     1 to J+1 tokens per cycle (it accepted the cycle's drafts but one). It checks what the device relies on: chunks
     in order, and blocks that hold every position a generating row writes (the device writes each row's entries into
     its own blocks in place). `ledger[seed]`: what each request's cycles did (per draft shape label, its cycles and
-    accepted drafts per position), whichever rows ran it; `depth`: the deepest draft (the rows' counters' length)."""
+    accepted drafts per position), whichever rows ran it; `depth`: the deepest draft (the rows' counters' length);
+    `reached`, `accepted`: the loop's counters over every row, as the device counts them."""
 
     Row = FakeRow
 
@@ -80,6 +81,7 @@ class FakeExecutor:
         self.owned = [0] * shape.max_batch  # each row's blocks (its table's length)
         self.cycle, self.depth = 0, depth
         self.ledger: dict[int, dict[str, list[int]]] = {}
+        self.reached, self.accepted = [0] * depth, [0] * depth  # the loop's counters (over every row)
 
     def run(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -105,7 +107,8 @@ class FakeExecutor:
             scores = () if read.prompt else None  # an echo read's prompt scores (none: the fake scores nothing)
             counts = dict(cycles=row.cycles, accepted=tuple(row.accepted))
             out.append(RowResult(read.row, tuple(row.tokens[read.start :]), row.done, None, scores, **counts))
-        counters = Counters(self.cycle, (0,), (0,), (0, 0)) if plan.busy else None
+        counters = Counters(self.cycle, tuple(self.reached), tuple(self.accepted), (0,) * (1 + self.depth))
+        counters = counters if plan.busy else None
         return StepResult(plan.step, tuple(out), counters)
 
     def _segment(self, seg: Segment) -> None:
@@ -123,6 +126,9 @@ class FakeExecutor:
                     continue
                 taken = (row.admission.spec.seed + self.cycle) % (seg.draft.num_steps + 1)  # drafts accepted
                 self._count(row, seg.draft.label, taken)
+                for j in range(seg.draft.num_steps):
+                    self.reached[j] += j <= taken
+                    self.accepted[j] += j < taken
                 for _ in range(1 + taken):
                     if not row.done:
                         row.emit()

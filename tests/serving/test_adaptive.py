@@ -211,17 +211,35 @@ class Loop:
     def __init__(self):
         self.counters = Counters(0, (0, 0, 0), (0, 0, 0), (0, 0, 0, 0))
 
-    def run(self, policy: DraftPolicy, draft: DraftShape, seconds_per_cycle: float, accepted: int, **segment_of):
-        """One segment of 4 cycles (`cycles`) over 2 rows (`rows`), each accepting `accepted` drafts of a chain, the
-        longest `context` positions long."""
-        rows, context, cycles = (segment_of.get(name, d) for name, d in (("rows", 2), ("context", 0), ("cycles", 4)))
-        c, k, n = self.counters, draft.num_steps, cycles * rows
-        a = min(accepted, k)
-        reached = tuple(r + (n if j < k and j <= a else 0) for j, r in enumerate(c.reached))
-        acc = tuple(x + (n if j < a else 0) for j, x in enumerate(c.accepted))
-        hist = tuple(h + (n if t == a else 0) for t, h in enumerate(c.accept_hist))
-        self.counters = Counters(c.cycles + cycles, reached, acc, hist)
-        policy.observe(segment(draft, rows, cycles), self.counters, cycles * seconds_per_cycle, context)
+    def run(
+        self,
+        policy,
+        draft: DraftShape,
+        seconds_per_cycle: float,
+        accepted: int,
+        *,
+        rows=2,
+        context=0,
+        cycles=4,
+        unfed=0,
+        unfed_accepted=0,
+    ):
+        """One segment of `cycles` cycles over `rows` rows, each accepting `accepted` drafts of a chain, the longest
+        `context` positions long; `unfed` of them (none unless given) were not fed the drafter at prefill and accept
+        `unfed_accepted` each."""
+        c, k = self.counters, draft.num_steps
+        j, t = np.arange(len(c.reached)), np.arange(len(c.accept_hist))
+
+        def counts(a: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # of n row-cycles accepting a drafts
+            a = min(a, k)
+            return n * ((j < k) & (j <= a)), n * (j < a), n * (t == a)
+
+        fed, own = counts(accepted, cycles * (rows - unfed)), counts(unfed_accepted, cycles * unfed)
+        was = c.reached, c.accepted, c.accept_hist
+        now = [tuple(int(x) for x in np.add(w, f + o)) for w, f, o in zip(was, fed, own, strict=True)]
+        self.counters = Counters(c.cycles + cycles, *now)
+        observed = (own[0].tolist(), own[1].tolist()) if unfed else None
+        policy.observe(segment(draft, rows, cycles), self.counters, cycles * seconds_per_cycle, context, observed)
 
 
 @pytest.mark.parametrize(
@@ -326,7 +344,7 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
     policy = engine.scheduler.policy
     assert set(policy.cycle_seconds) == {(s, b, 0) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
     assert all(t > 0 for t in policy.cycle_seconds.values())
-    assert not policy.reached.any()
+    assert np.isnan(policy.acceptance()).all() and np.isnan(policy.acceptance(fed=False)).all()
     assert policy.choose(2, 2) == max((PLAIN, CHAIN), key=lambda s: policy.predict(s, 2, 2))
 
 
@@ -468,6 +486,67 @@ def test_a_row_is_fed_where_a_chain_pays_at_the_bucket_that_will_serve_it(rows):
         policy.calibrate(CHAIN, bucket, 0.01 * cost)
     loop.run(policy, CHAIN, 0.02, 2, rows=1)  # measured online: 2 of 3 drafts accepted
     assert policy.feeds_drafter(rows=rows) == (rows in (1, None))
+
+
+def fresh_policy(rows: int = 2) -> DraftPolicy:
+    """A fresh server's policy: warm-up times (a chain cycle 2x a plain one) and a recorded acceptance of 0.9 at every
+    position (a fed row's: the chain predicted at 1.72x plain decoding)."""
+    policy = DraftPolicy((PLAIN, CHAIN), cycles=4)
+    policy.calibrate(PLAIN, rows, 0.01)
+    policy.calibrate(CHAIN, rows, 0.02)
+    policy.prior([0.9] * NUM_STEPS)
+    return policy
+
+
+def test_rows_not_fed_the_drafter_count_their_acceptance_apart_and_weigh_in_by_their_share():
+    """Chains on rows not fed the drafter at prefill accept nothing, three segments: the unfed rows' a_j fall, the
+    fed rows' stay the recorded ones; a segment of unfed rows runs plain decoding, one of fed rows the chain, one of
+    each the chain (E averaged over the rows: (3.44 + 1.58) / 2 per cycle of 2x a plain one's)."""
+    policy, loop = fresh_policy(), Loop()
+    for _ in range(3):
+        loop.run(policy, CHAIN, 0.02, NUM_STEPS, unfed=2, unfed_accepted=0)
+    np.testing.assert_allclose(policy.acceptance(), [0.9] * NUM_STEPS)
+    assert policy.acceptance(fed=False)[0] < 0.4
+    assert policy.choose(2, 2, fed=0) == PLAIN
+    assert policy.choose(2, 2, fed=2) == CHAIN
+    assert policy.choose(2, 2, fed=1) == CHAIN
+    assert policy.predict(CHAIN, 2, 2, fed=1) == pytest.approx(
+        (policy.predict(CHAIN, 2, 2, fed=0) + policy.predict(CHAIN, 2, 2, fed=2)) / 2
+    )
+    unfed = policy.acceptance(fed=False)
+    loop.run(policy, CHAIN, 0.02, 1, unfed=1, unfed_accepted=0)  # one row fed (it accepts 1 draft), one not (none)
+    a = policy.acceptance()
+    assert a[0] > 0.9 > a[1] and a[2] == pytest.approx(0.9)  # the third position never reached: the prior
+    assert policy.acceptance(fed=False)[0] < unfed[0]
+
+
+@pytest.mark.parametrize("fed_accepted", [NUM_STEPS, 0])
+def test_a_fresh_server_s_unfed_first_rows_do_not_keep_the_next_rows_unfed(fed_accepted):
+    """A fresh server's first row is not fed (nothing measured on the traffic); its chain accepts nothing without the
+    drafter's entries for its prompt, and it goes plain. Where the drafter's acceptance on fed rows is the recorded
+    one, that would keep every next row unfed (their chains measuring the same) and plain: instead, until a chain has
+    measured a fed row, one row is fed where a fed row's chain is predicted to pay (one: the recorded acceptance can
+    be of other prompts), and then none but the FEED_EVERY-th; once fed rows' acceptance is measured, it decides: the
+    chain accepting every draft on them feeds every row, accepting none feeds none but the FEED_EVERY-th."""
+    policy, loop = fresh_policy(rows=1), Loop()
+    assert not policy.feeds_drafter(rows=1)
+    policy.admitted(False)
+    for _ in range(3):
+        loop.run(policy, CHAIN, 0.02, NUM_STEPS, rows=1, unfed=1, unfed_accepted=0)
+    assert policy.choose(1, 1, fed=0) == PLAIN
+    fed = []
+    for _ in range(FEED_EVERY + 1):
+        fed.append(policy.feeds_drafter(rows=1))
+        policy.admitted(fed[-1])
+    assert fed == [True] + [False] * (FEED_EVERY - 1) + [True]
+    assert policy.choose(1, 1, fed=1) == CHAIN
+    for _ in range(6):
+        loop.run(policy, CHAIN, 0.02, fed_accepted, rows=1)
+    fed = []
+    for _ in range(FEED_EVERY):
+        fed.append(policy.feeds_drafter(rows=1))
+        policy.admitted(fed[-1])
+    assert fed == ([True] * FEED_EVERY if fed_accepted else [False] * (FEED_EVERY - 1) + [True])
 
 
 SHORT, LONG = 100, 16 * CONTEXT_RANGE  # live lengths in the first context range and two ranges further

@@ -434,19 +434,22 @@ class Recording:
 
     predicted, probing = None, False
 
-    def __init__(self):
-        self.chosen, self.observed, self.fed = [], [], []
+    def __init__(self, feed=lambda context: True):
+        self.chosen, self.observed, self.fed, self.feed = [], [], [], feed
+        self.generating, self.counted = [], []  # (generating, fed) asked; (loop counters' delta, unfed) told
 
-    def choose(self, rows, generating, context):
+    def choose(self, rows, generating, context, fed):
         self.chosen.append(context)
+        self.generating.append((generating, fed))
         return CHAIN
 
-    def observe(self, segment, counters, seconds, context):
+    def observe(self, segment, counters, seconds, context, unfed):
         self.observed.append(context)
+        self.counted.append((counters, unfed))
 
     def feeds_drafter(self, context, rows=None):
         self.fed.append((context, rows))
-        return True
+        return self.feed(context)
 
     def admitted(self, fed):
         pass
@@ -494,3 +497,33 @@ def test_the_policy_is_asked_whether_to_feed_a_row_at_the_rows_it_will_be_served
     policy.fed.clear()
     step(scheduler, executor)
     assert policy.fed == [(10, 4)]  # the fifth, beside 3 rows and before the sixth: the slots hold 4 at most
+
+
+def test_the_policy_learns_fed_and_unfed_rows_acceptance_apart():
+    """Every other row is fed the drafter at prefill: the policy is asked how many of a segment's generating rows were
+    fed, and told what the unfed rows counted (from the rows' own counters: a position is reached where the one
+    before it was accepted), which over the run is what the unfed requests' cycles did, the rest of the loop's
+    counters the fed ones'."""
+    scheduler, executor = make(), FakeExecutor(Shape())
+    scheduler.policy = policy = Recording(feed=lambda context: context % 2 == 0)
+    requests = [Request([1] * (4 + i), 12, RowSpec(seed=i)) for i in range(6)]  # even seeds: fed
+    for r in requests:
+        scheduler.submit(r)
+    drain(scheduler, executor)
+    assert [g for g, _ in policy.generating] and all(0 <= f <= g for g, f in policy.generating)
+    assert any(0 < f < g for g, f in policy.generating)  # a segment over fed and unfed rows
+    totals = {True: [0] * 6, False: [0] * 6}  # (reached, accepted) per position, fed and not
+    for request in requests:
+        cycles, *accepted = executor.ledger[request.spec.seed][CHAIN.label]
+        reached = [cycles, *accepted[:-1]]
+        fed = request.spec.seed % 2 == 0
+        totals[fed] = [t + x for t, x in zip(totals[fed], reached + accepted, strict=True)]
+    last, unfed_seen = Counters(0, (0,) * 3, (0,) * 3, (0,) * 4), [0] * 6
+    for counters, unfed in policy.counted:
+        delta, last = counters.minus(last), counters
+        unfed = [0] * 6 if unfed is None else [int(x) for x in (*unfed[0], *unfed[1])]
+        assert all(0 <= x <= d for x, d in zip(unfed, (*delta.reached, *delta.accepted), strict=True))  # a part
+        unfed_seen = [t + x for t, x in zip(unfed_seen, unfed, strict=True)]
+    assert unfed_seen == totals[False] and any(totals[False])
+    fed_seen = [a - b for a, b in zip((*last.reached, *last.accepted), unfed_seen, strict=True)]
+    assert fed_seen == totals[True] and any(totals[True])
