@@ -36,8 +36,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
-
 from jaxspec.decoding.draft_shape import DraftShape
 from jaxspec.serving.adaptive import DraftPolicy
 from jaxspec.serving.blocks import BlockPool, BlockTables
@@ -260,15 +258,15 @@ class Scheduler:
         if result.step != self.step:
             raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
         now = time.perf_counter()
-        delivered, unfed = [], np.zeros((2, self.draft.num_steps), np.int64)  # unfed rows' (reached, accepted)
+        delivered, unfed = [], None  # the unfed rows' (reached, accepted) per draft position in a drafting segment
         for row in result.rows:
             slot = self.slots[row.row]
             if slot is None or slot.next_chunk is not None:
                 raise ValueError(f"StepResult.rows: row {row.row} holds no generating request")
             r, new = slot.request, list(row.tokens)
-            counted = self._count(slot, row)
-            if not slot.drafter:
-                unfed += counted
+            gained = self._count(slot, row)
+            if gained is not None and not slot.drafter and not self._segment_run.draft.plain:
+                unfed = _reached_and_accepted(self._segment_run.draft, *gained, unfed)
             if row.prompt_logprobs is not None:
                 r.prompt_logprobs = list(row.prompt_logprobs)
             if row.logprobs is not None:
@@ -287,7 +285,7 @@ class Scheduler:
                 r.notify(new)
         if self._segment_run is not None and result.counters is not None:
             seconds, context = result.segment_seconds, self._segment_context
-            self.policy.observe(self._segment_run, result.counters, seconds, context, unfed if unfed.any() else None)
+            self.policy.observe(self._segment_run, result.counters, seconds, context, unfed)
         return StepReport(tuple(delivered), self._take_finished())
 
     def abandon(self, reason: str, *, queued: bool = True) -> StepReport:
@@ -308,24 +306,20 @@ class Scheduler:
         return StepReport((), self._take_finished())
 
     # ------------------------------------------------------------------ internals
-    def _count(self, slot: Slot, row: RowResult) -> np.ndarray:
+    def _count(self, slot: Slot, row: RowResult) -> tuple[int, list[int]] | None:
         """Add what the row's counters gained since its request last counted them to the request's speculation,
-        under this step's draft shape (only a segment runs cycles); returns the (reached, accepted) per draft
-        position they gained, as the loop's counters count them (a position is reached where the one before it was
-        accepted; the first, every cycle of a drafting shape)."""
+        under this step's draft shape (only a segment runs cycles); returns what they gained (cycles, accepted per
+        draft position), None where the row ran no cycle."""
         zero = (0,) * self.draft.num_steps
         (cycles, accepted), now = slot.counted, row.accepted or zero
         gained = row.cycles - cycles, [a - b for a, b in zip(now, accepted or zero, strict=True)]
         if gained[0] and self._segment_run is None:
             raise ValueError(f"StepResult.rows: row {row.row} ran {gained[0]} cycles in a step without a segment")
         slot.counted = row.cycles, now
-        counts = np.zeros((2, len(zero)), np.int64)
-        if gained[0]:
-            draft = self._segment_run.draft
-            slot.request.speculation = slot.request.speculation.plus(draft, *gained)
-            counts[0, : draft.num_steps] = [gained[0], *gained[1]][: draft.num_steps]
-            counts[1] = gained[1]
-        return counts
+        if not gained[0]:
+            return None
+        slot.request.speculation = slot.request.speculation.plus(self._segment_run.draft, *gained)
+        return gained
 
     def _apply_cancels(self) -> tuple[int, ...]:
         """Finish the cancelled requests; returns the rows to free (theirs and any abandoned ones)."""
@@ -441,6 +435,20 @@ class Scheduler:
     def _take_finished(self) -> tuple[Request, ...]:
         finished, self._finished = tuple(self._finished), []
         return finished
+
+
+def _reached_and_accepted(
+    draft: DraftShape, cycles: int, accepted: list[int], into: tuple[list[int], list[int]] | None
+) -> tuple[list[int], list[int]]:
+    """`into` (None: zeros) plus a row's `cycles` of `draft` that accepted `accepted` drafts per position, counted as
+    the loop's counters count them: a position is reached where the one before it was accepted, the first in every
+    cycle of a drafting shape."""
+    reached = [cycles, *accepted[: draft.num_steps - 1]] + [0] * (len(accepted) - draft.num_steps)
+    if into is None:
+        return reached, list(accepted)
+    return [a + b for a, b in zip(into[0], reached, strict=True)], [
+        a + b for a, b in zip(into[1], accepted, strict=True)
+    ]
 
 
 def _row_reach(draft: DraftShape, request: Request, cycles: int) -> int:

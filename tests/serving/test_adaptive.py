@@ -348,6 +348,8 @@ def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
     assert policy.choose(2, 2) == max((PLAIN, CHAIN), key=lambda s: policy.predict(s, 2, 2))
 
 
+@pytest.mark.slow  # test budget (the default suite reached 28 minutes): ~52 s of its own compiles; the placement
+# of its rounds is checked in the default suite (test_a_warm_up_round_puts_its_two_chunk_dummies_beside_...)
 def test_the_warm_up_runs_every_segment_program_over_live_rows(pair):
     """Once compiled, every (batch bucket, draft shape, program) runs cycles over a live row, each chain runs its
     catch-up (a row the drafter is behind on: one not fed at prefill), and each runs a prefill chunk fed the drafter
