@@ -58,19 +58,20 @@ a row before then; and until a chain has measured it on a fed row, one row only 
 fed, and their chains measure an unfed row's acceptance: with the two counted together, the long-context benchmark's
 first request ended with the chain predicted at 1.07x plain decoding in one run, and under 1 in two runs of seven, where
 every next request went unfed and plain, 0.86 of the chain; one row, as the recorded acceptance a fed row is then
-predicted by can be of other prompts: feeding every other row on it cost the fresh-server benchmark's HumanEval load at
-8 rows 0.945 -> 0.887 of plain decoding in one run). Else its prefill runs no drafter at all (a chain that later runs on
-the row drafts from the prompt's last position on: the drafter-alone step at prefill took 8.7% of a prefill program over
-8 unfed rows). The drafter's prefill over the whole prompt is a cost paid for chains (`python benchmarks/serve_feed.py`,
-bundled pair, 128-token prompts: 16-18% of a fed prompt's prefill; a long prompt's prefill is most of its request's
-time), for 3-7% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval, 4.17 against 4.04 on the held-out files);
-and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on the held-out files, 0.46 measured on
-HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains on an unfed row draft with no
-drafter entries for its prompt: lossless, at that lower acceptance (counted apart); so once a chain has measured the
-drafter on this traffic, every FEED_EVERY-th admission is fed all the same, and chains keep measuring a fed row's
-acceptance on traffic that changes. (Not before: until then no chain runs but a first one, at once where one is
-predicted to win, else after seconds of exploring's wait, which a row fed now would not live to see; on a fresh server
-with a drafter that accepts nothing, the 16th request's prefill fed for no chain was 1.8% of the load at 8 rows.)
+predicted by can be of other prompts: with every other row fed on it, the fresh-server benchmark's HumanEval load at 8
+rows fell to 0.887 of plain decoding in its one run, against 0.936-0.953 before). Else its prefill runs no drafter at
+all (a chain that later runs on the row drafts from the prompt's last position on: the drafter-alone step at prefill
+took 8.7% of a prefill program over 8 unfed rows). The drafter's prefill over the whole prompt is a cost paid for chains
+(`python benchmarks/serve_feed.py`, bundled pair, 128-token prompts: 16-18% of a fed prompt's prefill; a long prompt's
+prefill is most of its request's time), for 3-7% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval, 4.17
+against 4.04 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on
+the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains
+on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance (counted apart); so
+once a chain has measured the drafter on this traffic, every FEED_EVERY-th admission is fed all the same, and chains
+keep measuring a fed row's acceptance on traffic that changes. (Not before: until then no chain runs but a first one, at
+once where one is predicted to win, else after seconds of exploring's wait, which a row fed now would not live to see;
+on a fresh server with a drafter that accepts nothing, the 16th request's prefill fed for no chain was 1.8% of the load
+at 8 rows.)
 """
 
 from __future__ import annotations
