@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from jaxspec.decoding.draft_shape import DraftShape
+from jaxspec.profiling.cost_model import pool_counters
 from jaxspec.serving.adaptive import DraftPolicy
 from jaxspec.serving.blocks import BlockPool, BlockTables
 from jaxspec.serving.plan import (
@@ -258,7 +259,7 @@ class Scheduler:
         if result.step != self.step:
             raise ValueError(f"StepResult.step: expected {self.step} (the last plan's), got {result.step}")
         now = time.perf_counter()
-        delivered, unfed = [], None  # the unfed rows' (reached, accepted) per draft position in a drafting segment
+        delivered, unfed = [], []  # each unfed row's (reached, accepted) per draft position in a drafting segment
         for row in result.rows:
             slot = self.slots[row.row]
             if slot is None or slot.next_chunk is not None:
@@ -266,7 +267,7 @@ class Scheduler:
             r, new = slot.request, list(row.tokens)
             gained = self._count(slot, row)
             if gained is not None and not slot.drafter and not self._segment_run.draft.plain:
-                unfed = _reached_and_accepted(self._segment_run.draft, *gained, unfed)
+                unfed.append(_row_counters(self._segment_run.draft, *gained))
             if row.prompt_logprobs is not None:
                 r.prompt_logprobs = list(row.prompt_logprobs)
             if row.logprobs is not None:
@@ -285,7 +286,9 @@ class Scheduler:
                 r.notify(new)
         if self._segment_run is not None and result.counters is not None:
             seconds, context = result.segment_seconds, self._segment_context
-            self.policy.observe(self._segment_run, result.counters, seconds, context, unfed)
+            self.policy.observe(
+                self._segment_run, result.counters, seconds, context, pool_counters(unfed) if unfed else None
+            )
         return StepReport(tuple(delivered), self._take_finished())
 
     def abandon(self, reason: str, *, queued: bool = True) -> StepReport:
@@ -437,18 +440,10 @@ class Scheduler:
         return finished
 
 
-def _reached_and_accepted(
-    draft: DraftShape, cycles: int, accepted: list[int], into: tuple[list[int], list[int]] | None
-) -> tuple[list[int], list[int]]:
-    """`into` (None: zeros) plus a row's `cycles` of `draft` that accepted `accepted` drafts per position, counted as
-    the loop's counters count them: a position is reached where the one before it was accepted, the first in every
-    cycle of a drafting shape."""
-    reached = [cycles, *accepted[: draft.num_steps - 1]] + [0] * (len(accepted) - draft.num_steps)
-    if into is None:
-        return reached, list(accepted)
-    return [a + b for a, b in zip(into[0], reached, strict=True)], [
-        a + b for a, b in zip(into[1], accepted, strict=True)
-    ]
+def _row_counters(draft: DraftShape, cycles: int, accepted: list[int]) -> tuple[list[int], list[int]]:
+    """A row's `cycles` of `draft` that accepted `accepted` drafts per position as the loop's (reached, accepted)
+    counters count them: a position is reached where the one before it was accepted, the first in every cycle."""
+    return [cycles, *accepted[: draft.num_steps - 1]] + [0] * (len(accepted) - draft.num_steps), accepted
 
 
 def _row_reach(draft: DraftShape, request: Request, cycles: int) -> int:

@@ -436,7 +436,7 @@ class Recording:
 
     def __init__(self, feed=lambda context: True):
         self.chosen, self.observed, self.fed, self.feed = [], [], [], feed
-        self.generating, self.counted = [], []  # (generating, fed) asked; (loop counters' delta, unfed) told
+        self.generating, self.counted = [], []  # (generating, fed) asked; (the loop's counters, unfed) told
 
     def choose(self, rows, generating, context, fed):
         self.chosen.append(context)
@@ -509,9 +509,13 @@ def test_the_policy_learns_fed_and_unfed_rows_acceptance_apart():
     requests = [Request([1] * (4 + i), 12, RowSpec(seed=i)) for i in range(6)]  # even seeds: fed
     for r in requests:
         scheduler.submit(r)
-    drain(scheduler, executor)
-    assert [g for g, _ in policy.generating] and all(0 <= f <= g for g, f in policy.generating)
-    assert any(0 < f < g for g, f in policy.generating)  # a segment over fed and unfed rows
+    asked = []  # (generating, fed) of each segment: the rows generating before its plan, the even seeds fed
+    while scheduler.has_work:
+        rows = [s.request.spec.seed for s in scheduler.slots if s is not None and s.next_chunk is None]
+        plan, _ = step(scheduler, executor)
+        if plan.segment is not None:
+            asked.append((len(rows), sum(seed % 2 == 0 for seed in rows)))
+    assert policy.generating == asked and any(0 < f < g for g, f in asked)  # segments over fed and unfed rows
     totals = {True: [0] * 6, False: [0] * 6}  # (reached, accepted) per position, fed and not
     for request in requests:
         cycles, *accepted = executor.ledger[request.spec.seed][CHAIN.label]
