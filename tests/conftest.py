@@ -5,6 +5,11 @@ with collectives deadlock on 2-core machines (see sharding/cpu.py). Both setting
 the CLI and benchmarks use too.
 """
 
+import atexit
+import os
+import shutil
+import tempfile
+
 from sharding.cpu import simulate_cpu_devices
 
 simulate_cpu_devices(8)
@@ -12,6 +17,23 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# One persistent compilation cache per run (JAX's, in a fresh directory removed at exit): the same programs (the
+# bundled pair's prefill, segments and warm-up) are compiled by many modules' engines and by every server a test
+# starts in a subprocess, which inherits the directory through the environment. A fresh directory, so a run never
+# reads what an earlier one compiled; a size limit, because with one JAX locks the directory around each read and
+# write (tests start processes that compile the same programs at once); a 0.5 s floor, as writing an executable
+# costs more than compiling a small one. A test that measures a compile itself opts out (`without_compilation_cache`).
+XLA_CACHE = tempfile.mkdtemp(prefix="jaxspec-tests-xla-")
+atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
+XLA_CACHE_SETTINGS = {
+    "jax_compilation_cache_dir": XLA_CACHE,
+    "jax_compilation_cache_max_size": 64 << 30,
+    "jax_persistent_cache_min_compile_time_secs": 0.5,
+}
+os.environ.update({name.upper(): str(value) for name, value in XLA_CACHE_SETTINGS.items()})  # for subprocesses
+for name, value in XLA_CACHE_SETTINGS.items():  # this process (JAX read its environment at import)
+    jax.config.update(name, value)
 
 import functools  # noqa: E402
 
@@ -54,3 +76,16 @@ def _release_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture
+def without_compilation_cache():
+    """Compiles from scratch within the test (JAX's persistent cache off, then back on), for a test that measures what
+    a compile does."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()

@@ -44,11 +44,11 @@ def served_config(*flags: str) -> EngineConfig:
     return serve._engine_config(args, *serve._num_steps(args, bundled=True))
 
 
-def test_a_compile_maps_what_the_estimate_says(pair):
+def test_a_compile_maps_what_the_estimate_says(pair, without_compilation_cache):
     """Each kind of segment program (plain or chain, static-greedy or per-row) compiled the way the executor compiles
     it maps no more than the estimate for this jaxlib says, and more than half of it (an estimate far above the truth
     would refuse configurations that fit). Compiled after dropping JAX's caches, so nothing is reused from another
-    test."""
+    test (nor read from the run's compilation cache)."""
     target, drafter, tokenizer = pair
     cfg = EngineConfig(max_batch=2, max_context=256, draft=DraftShape(4), adaptive=True, batch_buckets=(1,))
     engine = Engine(target, drafter, cfg, stop_ids=tokenizer.stop_ids)
