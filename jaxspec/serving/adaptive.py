@@ -30,8 +30,9 @@ before its first request, so its first segments already run the predicted best: 
 bucket timed at warm-up (`calibrate`: the engine runs every compiled shape over live rows of every bucket once more
 after compiling it, a calibration measurement standing for FIRST online ones; a shape not timed online yet keeps its
 calibration scaled by how much the shapes timed online moved from theirs), and the drafter's recorded acceptance
-(`prior`: tune.json's measured a_j, worth PRIOR_ROW_CYCLES row-cycles of counters, which the online counters outweigh
-after a few segments). Learning what a shape costs costs time where it loses, so:
+(`prior`: tune.json's measured a_j, a prior worth PRIOR_ROW_CYCLES row-cycles which the online counters outweigh after
+a few segments; its deeper positions scaled as the traffic's a_1 moves from its a_1, as a range's prior is).
+Learning what a shape costs costs time where it loses, so:
 - a draft position whose acceptance nothing has measured or given is predicted accepted UNKNOWN_ACCEPTANCE of the
   time (the mean of a uniform prior on it), so a drafter with no recorded acceptance is tried first only where that
   predicts it to win (on the bundled target over 1 row, not over 8), and elsewhere explored like any candidate
@@ -141,15 +142,18 @@ class DraftPolicy:
         self._fed_online = False  # ... on rows fed the drafter at prefill
         self._fed_any = False  # a row has been fed the drafter at prefill
         self._calibrated: dict[tuple[DraftShape, int], float] = {}  # (shape, row bucket) -> T timed at warm-up
+        self._recorded = np.full(self.depth, np.nan)  # the recorded a_j (`prior`; NaN: none given there) ...
+        self._recorded_weight = 0.0  # ... and its weight in row-cycles, decayed as a fed row's counters are
         self._online: set[tuple[DraftShape, int, int]] = set()  # (shape, row bucket, range) timed by segments
 
     def prior(self, acceptance) -> None:
-        """The drafter's recorded conditional acceptance a_j per draft position (e.g. tune.json's), as counters
-        worth PRIOR_ROW_CYCLES row-cycles: the first segments predict from it, and online counters outweigh it."""
+        """The drafter's recorded conditional acceptance a_j per draft position (e.g. tune.json's), a fed row's, as a
+        prior worth PRIOR_ROW_CYCLES row-cycles, decayed as the fed rows' counters are: the first segments predict
+        from it, and online counters outweigh it (its deeper positions scaled as the traffic's a_1 moves from its
+        a_1, as every narrower prior is: `_shrunk`)."""
         given = np.clip(np.nan_to_num(np.asarray(acceptance, np.float64)[: self.depth]), 0.0, 1.0)
-        reached = np.where(np.arange(self.depth) < len(given), PRIOR_ROW_CYCLES, 0.0)
-        before, given = self._counted(True, None), np.pad(given, (0, self.depth - len(given)))
-        self._counts[True, None] = (before[0] + reached, before[1] + given * reached)
+        self._recorded = np.pad(given, (0, self.depth - len(given)), constant_values=np.nan)
+        self._recorded_weight = PRIOR_ROW_CYCLES
         self._expected.clear()
 
     def since(self, counters: Counters) -> None:
@@ -172,22 +176,24 @@ class DraftPolicy:
         recorded acceptance is theirs) or not: over every context range, or in the range of `context`. Each narrower
         set of counters is predicted from its own with the wider one's a_j as a prior (`_shrunk`): unfed rows' from
         the fed rows', a range's from its rows' over every range."""
-        a = conditional_acceptance(*self._counted(True, None))
+        a = self._shrunk(True, None, self._recorded, self._recorded_weight)
         if not fed:
             a = self._shrunk(False, None, a)
         return a if context is None else self._shrunk(fed, context_range(context), a)
 
-    def _shrunk(self, fed: bool, span: int | None, wider: np.ndarray) -> np.ndarray:
-        """The a_j of the counters at (`fed`, `span`), with `wider` as a prior worth PRIOR_ROW_CYCLES row-cycles,
-        its deeper positions' scaled by how these counters' a_1 compares with its a_1 (a chain seldom reaches them
-        where a_1 is low, so their own counters stay few: the bundled pair's a_j at 768 tokens were 0.37-0.44x its
-        a_j at 128 at every position, where an unscaled prior kept a_2..a_4 at the short range's and predicted a
-        losing chain at 0.9x plain decoding; on an unfed row they were 0.56, 0.40, 0 where fed rows' were 0.73,
-        0.80, 0.85). `wider` where these counters count nothing."""
+    def _shrunk(self, fed: bool, span: int | None, wider: np.ndarray, weight: float = PRIOR_ROW_CYCLES) -> np.ndarray:
+        """The a_j of the counters at (`fed`, `span`), with `wider` as a prior worth `weight` row-cycles, its deeper
+        positions' scaled by how these counters' a_1 compares with its a_1 (a chain seldom reaches them where a_1 is
+        low, so their own counters stay few: the bundled pair's a_j at 768 tokens were 0.37-0.44x its a_j at 128 at
+        every position, where an unscaled prior kept a_2..a_4 at the short range's and predicted a losing chain at
+        0.9x plain decoding; on an unfed row they were 0.56, 0.40, 0 where fed rows' were 0.73, 0.80, 0.85; on
+        HumanEval, tune.json's a_j, recorded on the held-out files, are 0.93, 0.91, 0.95, 0.87, where fed rows
+        measured a_1 near 0.7 and a_2 near 0.4, and the unscaled a_3, a_4 kept a losing chain predicted to win over
+        three requests at 1 row). `wider` where these counters count nothing."""
         if (fed, span) not in self._counts:
             return wider
         reached, accepted = self._counts[fed, span]
-        weight, prior = np.where(np.isfinite(wider), PRIOR_ROW_CYCLES, 0.0), np.nan_to_num(wider)
+        weight, prior = np.where(np.isfinite(wider), weight, 0.0), np.nan_to_num(wider)
         own = conditional_acceptance(reached + weight, accepted + weight * prior)
         if prior[0] > 0:  # then own[0] is finite (the prior weighs in)
             prior[1:] = np.minimum(prior[1:] * own[0] / prior[0], 1.0)
@@ -328,6 +334,7 @@ class DraftPolicy:
             if not reached.any():
                 continue
             self._measured_online, self._fed_online = True, self._fed_online or fed
+            self._recorded_weight *= DECAY if fed else 1.0
             for key in ((fed, None), (fed, span)):
                 before = self._counted(*key)
                 self._counts[key] = (DECAY * before[0] + reached, DECAY * before[1] + accepted)
