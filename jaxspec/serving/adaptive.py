@@ -193,11 +193,11 @@ class DraftPolicy:
         if (fed, span) not in self._counts:
             return wider
         reached, accepted = self._counts[fed, span]
-        weight, prior = np.where(np.isfinite(wider), weight, 0.0), np.nan_to_num(wider)
-        own = conditional_acceptance(reached + weight, accepted + weight * prior)
+        weights, prior = np.where(np.isfinite(wider), weight, 0.0), np.nan_to_num(wider)
+        own = conditional_acceptance(reached + weights, accepted + weights * prior)
         if prior[0] > 0:  # then own[0] is finite (the prior weighs in)
             prior[1:] = np.minimum(prior[1:] * own[0] / prior[0], 1.0)
-            own = conditional_acceptance(reached + weight, accepted + weight * prior)
+            own = conditional_acceptance(reached + weights, accepted + weights * prior)
         return own
 
     def _counted(self, fed: bool, span: int | None) -> tuple[np.ndarray, np.ndarray]:

@@ -538,6 +538,16 @@ def test_a_recorded_acceptance_s_deeper_positions_follow_the_traffic_s_first():
     assert policy.choose(2, 2) == PLAIN
 
 
+def test_a_recorded_acceptance_shorter_than_the_chain_leaves_the_deeper_positions_unknown():
+    """A tune.json of a shallower chain records fewer positions than the chain drafts: where neither it nor the
+    traffic has counted anything, a_j stays unknown (NaN: predicted UNKNOWN_ACCEPTANCE), not 0."""
+    policy, loop = fresh_policy(), Loop()
+    policy.prior([0.9, 0.9])
+    loop.run(policy, CHAIN, 0.02, 1)  # every row-cycle reaches the first two positions, accepts the first
+    a = policy.acceptance()
+    assert a[0] > 0.9 > a[1] > 0 and np.isnan(a[2:]).all(), a
+
+
 @pytest.mark.parametrize("fed_accepted", [NUM_STEPS, 0])
 def test_a_fresh_server_s_unfed_first_rows_do_not_keep_the_next_rows_unfed(fed_accepted):
     """A fresh server's first row is not fed (nothing measured on the traffic); its chain accepts nothing without the
