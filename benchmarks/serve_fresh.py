@@ -88,8 +88,8 @@ def main() -> None:
     args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
-def run_case(args, case: str, c: int) -> dict:
-    """One case at concurrency `c`: its three engines built, warmed up and served in lockstep in this process."""
+def fresh_engines(args, case: str, names=("k=4", "plain", "auto")):
+    """The engines `names` of `case`, built and warmed up as a fresh `jaxspec serve` would be, and the prompt set."""
     from jaxspec import bundled
     from jaxspec.cli.serve import _recorded_acceptance
     from jaxspec.decoding import DraftShape
@@ -101,13 +101,22 @@ def run_case(args, case: str, c: int) -> dict:
     config = EngineConfig(max_batch=8, max_context=256, draft=DraftShape(4), batch_buckets=(1, 8))
     d, acceptance = (drafter, _recorded_acceptance(tune)) if case == "bundled pair" else (scrambled(drafter), None)
     stop = tokenizer.stop_ids
-    engines = {
-        "k=4": Engine(target, d, config, stop_ids=stop),
-        "plain": Engine(target, None, dataclasses.replace(config, draft=DraftShape(0)), stop_ids=stop),
-        "auto": Engine(target, d, dataclasses.replace(config, adaptive=True), stop_ids=stop, acceptance=acceptance),
+    build = {
+        "k=4": lambda: Engine(target, d, config, stop_ids=stop),
+        "plain": lambda: Engine(target, None, dataclasses.replace(config, draft=DraftShape(0)), stop_ids=stop),
+        "auto": lambda: Engine(
+            target, d, dataclasses.replace(config, adaptive=True), stop_ids=stop, acceptance=acceptance
+        ),
     }
-    for e in engines.values():
+    built = {name: build[name]() for name in names}
+    for e in built.values():
         e.warmup(lambda _: None)
+    return built, prompt_set
+
+
+def run_case(args, case: str, c: int) -> dict:
+    """One case at concurrency `c`: its three engines built, warmed up and served in lockstep in this process."""
+    engines, prompt_set = fresh_engines(args, case)
     clients = {name: Clients(e, prompt_set.ids, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
     lockstep(clients, np.random.default_rng(0))
     tokens = {name: client.tokens for name, client in clients.items()}
