@@ -43,13 +43,18 @@ def load(engine, prompts, c: int, max_tokens: int, per_client: int = 2):
 
 class Clients:
     """`c` clients of `engine`, each sending `per_client` requests of `max_tokens` one after the other (a client's
-    next request is submitted when its previous one finishes); `step` runs one engine step and times it."""
+    next request is submitted when its previous one finishes); `step` runs one engine step and times it. `spec`:
+    request i's settings (`spec(i)`, a RowSpec; None: greedy)."""
 
-    def __init__(self, engine, prompts, c: int, max_tokens: int, per_client: int):
+    def __init__(self, engine, prompts, c: int, max_tokens: int, per_client: int, spec=None):
         from jaxspec.serving.engine import Request
 
         self.engine, self.seconds = engine, 0.0
-        self.requests = [Request(prompts[i % len(prompts)], max_tokens) for i in range(per_client * c)]
+        n = per_client * c
+        specs = [spec(i) for i in range(n)] if spec is not None else [None] * n
+        self.requests = [
+            Request(prompts[i % len(prompts)], max_tokens, *(() if s is None else (s,))) for i, s in enumerate(specs)
+        ]
         self.pending = list(self.requests)
         self.active = [self.pending.pop(0) for _ in range(c)]
         for r in self.active:
