@@ -47,14 +47,12 @@ class Clients:
     request i's settings (`spec(i)`, a RowSpec; None: greedy)."""
 
     def __init__(self, engine, prompts, c: int, max_tokens: int, per_client: int, spec=None):
+        from jaxspec.decoding.sampling_params import RowSpec
         from jaxspec.serving.engine import Request
 
         self.engine, self.seconds = engine, 0.0
-        n = per_client * c
-        specs = [spec(i) for i in range(n)] if spec is not None else [None] * n
-        self.requests = [
-            Request(prompts[i % len(prompts)], max_tokens, *(() if s is None else (s,))) for i, s in enumerate(specs)
-        ]
+        ask = lambda i: Request(prompts[i % len(prompts)], max_tokens, spec(i) if spec else RowSpec())  # noqa: E731
+        self.requests = [ask(i) for i in range(per_client * c)]
         self.pending = list(self.requests)
         self.active = [self.pending.pop(0) for _ in range(c)]
         for r in self.active:

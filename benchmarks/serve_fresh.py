@@ -55,9 +55,7 @@ def main() -> None:
     results, load_before = {}, os.getloadavg()
     for case in CASES:
         for c in CONCURRENCY:
-            argv = [sys.executable, __file__, *sys.argv[1:], "--case", case, "--concurrency", str(c)]
-            out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout
-            child = json.loads(out.strip().splitlines()[-1])
+            child = in_child("--case", case, "--concurrency", str(c))
             loops, prompt_set = child.pop("output_loops"), child.pop("prompt_set")
             results[f"{case} c={c}"] = child
             print(case, c, json.dumps(child), flush=True)
@@ -86,6 +84,14 @@ def main() -> None:
         m = r["tok_s"]
         lines.append(f"| {name} | {m['k=4']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {r['auto_over_better']:.3f} |")
     args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def in_child(*flags: str) -> dict:
+    """The JSON a child process of the running script prints last (its command line plus `flags`): each in a process
+    of its own, as a server starts in one."""
+    argv = [sys.executable, sys.argv[0], *sys.argv[1:], *flags]
+    out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def fresh_engines(args, case: str, names=("k=4", "plain", "auto")):

@@ -23,15 +23,13 @@ import argparse
 import collections
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import prompt_sets  # this directory (run as a script)
 from serve_engine import Clients, load_text, lockstep
-from serve_fresh import CASES, REQUESTS, fresh_engines
+from serve_fresh import CASES, CONCURRENCY, REQUESTS, fresh_engines, in_child
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("prefill", "probe", "chain", "plain", "other", "host")
@@ -40,7 +38,7 @@ KINDS = ("prefill", "probe", "chain", "plain", "other", "host")
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--concurrency", type=int, choices=(1, 8), default=8)
+    p.add_argument("--concurrency", type=int, choices=CONCURRENCY, default=8)
     p.add_argument("--case", choices=CASES, default=CASES[0])
     p.add_argument("--rounds", type=int, default=3, help="fresh processes, each one round")
     p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
@@ -55,9 +53,7 @@ def main() -> None:
         p.error(f"--rounds: expected at least 1, got {args.rounds}")
     load_before, rounds = os.getloadavg(), []
     for i in range(args.rounds):
-        argv = [sys.executable, __file__, *sys.argv[1:], "--child"]
-        out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout
-        rounds.append(json.loads(out.strip().splitlines()[-1]))
+        rounds.append(in_child("--child"))
         print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
     record = {
         "command": f"python benchmarks/serve_fresh_breakdown.py --max-tokens {args.max_tokens} --concurrency "

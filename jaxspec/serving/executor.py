@@ -306,15 +306,15 @@ def _prefill_and_run(loop, prefill, cfg, window, params, state, pool, tables, ch
 
     state, aside = state.set_aside("aux_BSI")
     state, pool = jax.lax.fori_loop(0, count, chunk, (state, pool))
-    if cfg is not None and cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it
-        # would have left them. Only q goes through the conditional, before `aux_BSI` is back: with the whole state
-        # through it (its results carried every field, `aux_BSI` included), a per-row plain segment over 8 rows took
-        # 1.03-1.05x as long (four in-engine A/Bs on the bundled pair, CPU; no difference over 1 row).
-        q = lambda s: s.draft_q_BV
+    if cfg is None:
+        return state.replace(**aside), pool
+    if cfg.sampling is None:  # the per-row program after greedy ones: greedy rows' q as it would have left them.
+        # Only q goes through the conditional, before `aux_BSI` is back: with the whole state through it (its results
+        # carried every field, `aux_BSI` included), a per-row plain segment over 8 rows took 1.03-1.05x as long (four
+        # in-engine A/Bs on the bundled pair, CPU; no difference over 1 row).
+        q = lambda s: s.draft_q_BV  # noqa: E731
         state = state.replace(draft_q_BV=jax.lax.cond(fix, lambda s: q(_greedy_q_repaired(s)), q, state))
     state, kept = state.replace(**aside), aside["aux_BSI"]
-    if cfg is None:
-        return state, pool
     if kept is not None:
         return _lazy_segment(loop, cfg, window, params, state, pool, tables, cycles)
     part = loop.run(cfg, *params, _gather(state, pool, tables, jnp.int32(0), *window), cycles)

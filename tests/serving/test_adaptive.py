@@ -64,6 +64,27 @@ def test_switching_with_the_static_greedy_program(greedy_engine, prompts, refere
     switching_gives_the_reference(greedy_engine, prompts, reference, script)
 
 
+@pytest.mark.slow
+def test_a_per_row_segment_after_greedy_ones_repairs_their_draft_distribution(greedy_engine, prompts):
+    """The static-greedy program leaves a placeholder in a greedy row's draft distribution; the per-row program run
+    after it (`fix`) first makes it the point mass on the row's draft, as the per-row program would have left it."""
+    engine, x = greedy_engine, greedy_engine.executor
+    request = Request(prompts[0], 40)
+    engine.scheduler.policy = Scripted((CHAIN,), True)
+    engine.submit(request)
+    while len(request.tokens) < 8:  # chain segments in the static-greedy program
+        engine.step()
+    row, per_row = request.slot, x.programs[CHAIN][1]
+    q_of = lambda: np.asarray(jax.device_get(x.state.draft_q_BV))[row]  # noqa: E731
+    point = np.eye(q_of().shape[-1], dtype=q_of().dtype)[int(jax.device_get(x.state.draft_B)[row])]
+    x._run_program((), per_row, (2, None, True), False, 0)  # no cycles, no repair
+    assert not np.array_equal(q_of(), point)
+    x._run_program((), per_row, (2, None, True), True, 0)  # no cycles, the repair
+    np.testing.assert_array_equal(q_of(), point)
+    while not request.finished:
+        engine.step()
+
+
 def switching_gives_the_reference(engine, prompts, reference, script):
     alone = [Request(prompts[0], 20), Request(prompts[2], 16)]
     mixed = [Request(prompts[4], 18), Request(prompts[7], 12, RowSpec(Sampling(0.9, top_k=30), seed=3))]
