@@ -24,8 +24,12 @@ jax.config.update("jax_enable_x64", False)
 # reads what an earlier one compiled; a size limit, because with one JAX locks the directory around each read and
 # write (tests start processes that compile the same programs at once); a 0.5 s floor, as writing an executable
 # costs more than compiling a small one. A test that measures a compile itself opts out (`without_compilation_cache`).
-XLA_CACHE = tempfile.mkdtemp(prefix="jaxspec-tests-xla-")
-atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
+# Under pytest-xdist (the README's `-n 2`) the workers share the directory of the process that started them (they
+# inherit its environment), which alone removes it.
+XLA_CACHE = os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAXSPEC_TESTS_XLA_CACHE")
+if not XLA_CACHE:
+    XLA_CACHE = os.environ["JAXSPEC_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxspec-tests-xla-")
+    atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
 XLA_CACHE_SETTINGS = {
     "jax_compilation_cache_dir": XLA_CACHE,
     "jax_compilation_cache_max_size": 64 << 30,

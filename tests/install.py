@@ -59,7 +59,7 @@ def main() -> int:
             f"run `python -m pip uninstall -y {' '.join(present)}` (the tests need neither)"
         )
     run(["-c", REFERENCES])
-    print("tests/install.py: test environment ready; run `python -m pytest -q`", flush=True)
+    print("tests/install.py: test environment ready; run `python -m pytest -q -n 2`", flush=True)
     return 0
 
 

@@ -24,7 +24,7 @@ def test_first_two_bash_blocks_are_what_ci_runs():
     install, tests = fences[0][1], fences[1][1]
     assert "pip install -e ." in install and re.search(r"^jaxspec ", install, flags=re.M)
     # A fresh venv, exactly one set-up command, the test command.
-    assert tests.splitlines() == [VENV, "python tests/install.py", "python -m pytest -q"], tests
+    assert tests.splitlines() == [VENV, "python tests/install.py", "python -m pytest -q -n 2"], tests
 
     # .ci/run builds its script with this embedded Python; run it and compare with the blocks.
     ci = (ROOT / ".ci" / "run").read_text()

@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxspec.decoding.draft_shape import MAX_DRAFT_TOKENS, MAX_NUM_STEPS, DraftShape, num_candidates
@@ -61,6 +61,7 @@ def test_drafter_vocabulary_limits_topk():
         DraftShape(2, 4).check_drafter(3)
 
 
+@settings(deadline=None)  # pure Python, but the suite's two workers share two cores
 @given(st.integers(1, MAX_NUM_STEPS), st.integers(1, 16), st.data())
 def test_round_trips(steps, topk, data):
     most = min(num_candidates(topk, steps) + 1, MAX_DRAFT_TOKENS) if topk > 1 else steps + 1
