@@ -9,12 +9,15 @@ shape over live rows of every bucket, and with the bundled pair it starts from t
 the other), the three engines served in lockstep (serve_engine.py's `lockstep`: one step each in a shuffled order,
 so other work on this shared machine falls on every engine alike); tokens/s is each engine's tokens over its own
 steps' seconds, from its first request. Each case and concurrency runs in a process of its own, as a server starts
-in one (until 2026-12-05 they ran one after another in one process). Cases: the bundled pair, and the bundled target
-with a scrambled drafter (serve_adaptive.py's `scrambled`: it accepts almost nothing; no tune.json, so no recorded
-acceptance). Every engine of a case must produce the same tokens (asserted: greedy output does not depend on the
-draft). Prompts: --prompt-set (prompt_sets.py; default 16 HumanEval prompts of at most 128 tokens).
+in one (until 2026-12-05 they ran one after another in one process), in each of --rounds rounds (every case once per
+round, its lockstep order drawn from the round's seed: auto / plain decoding at 8 rows moved from 0.938 to 0.977
+between two orders of the same three engines, ad hoc, one run each), and the report gives every round and their
+median. Cases: the bundled pair, and the bundled target with a scrambled drafter (serve_adaptive.py's `scrambled`:
+it accepts almost nothing; no tune.json, so no recorded acceptance). Every engine of a case must produce the same
+tokens (asserted: greedy output does not depend on the draft). Prompts: --prompt-set (prompt_sets.py; default 16
+HumanEval prompts of at most 128 tokens).
 
-    python benchmarks/serve_fresh.py      # writes benchmarks/results/serve_fresh.{json,md}
+    python benchmarks/serve_fresh.py --rounds 3     # writes benchmarks/results/serve_fresh.{json,md}
 """
 
 from __future__ import annotations
@@ -45,22 +48,28 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_fresh.json")
     p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each case in a fresh process per round")
     p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process (the children)
     p.add_argument("--concurrency", type=int, choices=CONCURRENCY, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the round's lockstep order
     prompt_sets.add_arguments(p, count=16, max_tokens=128)  # + --max-tokens: inside the 256 positions of a slot
     args = p.parse_args()
     if args.case:
-        print(json.dumps(run_case(args, args.case, args.concurrency)), flush=True)
+        print(json.dumps(run_case(args, args.case, args.concurrency, args.seed)), flush=True)
         return
-    results, load_before = {}, os.getloadavg()
-    for case in CASES:
-        for c in CONCURRENCY:
-            child = in_child("--case", case, "--concurrency", str(c))
-            loops, prompt_set = child.pop("output_loops"), child.pop("prompt_set")
-            results[f"{case} c={c}"] = child
-            print(case, c, json.dumps(child), flush=True)
+    if args.rounds < 1:
+        p.error(f"--rounds: expected at least 1, got {args.rounds}")
+    rounds, load_before = {f"{case} c={c}": [] for case in CASES for c in CONCURRENCY}, os.getloadavg()
+    for seed in range(args.rounds):  # rounds outermost: a drift in the machine's load falls on every case alike
+        for case in CASES:
+            for c in CONCURRENCY:
+                child = in_child("--case", case, "--concurrency", str(c), "--seed", str(seed))
+                loops, prompt_set = child.pop("output_loops"), child.pop("prompt_set")
+                rounds[f"{case} c={c}"].append(child)
+                print(f"round {seed + 1}", case, c, json.dumps(child), flush=True)
+    results = {name: summary(runs) for name, runs in rounds.items()}
     record = {
-        "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens} "
+        "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens} --rounds {args.rounds} "
         f"--int4-experts {args.int4_experts} {prompt_sets.flags(args)}",
         **prompt_set,
         "output_loops": loops,  # recorded, not refused: every engine serves the same tokens
@@ -74,16 +83,29 @@ def main() -> None:
         "# A fresh server's first requests: auto vs a fixed chain and plain decoding",
         "",
         f"Written by `{record['command']}` ({REQUESTS} requests per case and concurrency, each in a process of its "
-        f"own, each engine new). CPU only, the project's shared {record['cpus']}-core machine: "
-        f"{load_text(load_before, record['load_average_after'])}.",
+        f"own, each engine new, in each of {args.rounds} rounds; tokens/s: the median over the rounds). CPU only, the "
+        f"project's shared {record['cpus']}-core machine: {load_text(load_before, record['load_average_after'])}.",
         "",
-        "| case | k=4 tok/s | plain tok/s | auto tok/s | auto / the better |",
-        "|---|---|---|---|---|",
+        "| case | k=4 tok/s | plain tok/s | auto tok/s | auto / the better, per round | median |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        m = r["tok_s"]
-        lines.append(f"| {name} | {m['k=4']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {r['auto_over_better']:.3f} |")
+        m, each = r["tok_s"], ", ".join(f"{x:.3f}" for x in r["auto_over_better_rounds"])
+        lines.append(
+            f"| {name} | {m['k=4']:.0f} | {m['plain']:.0f} | {m['auto']:.0f} | {each} | {r['auto_over_better']:.3f} |"
+        )
     args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def summary(runs: list[dict]) -> dict:
+    """A case's rounds: the median tokens/s per engine, each round's auto / the better and their median."""
+    ratios = [r["auto_over_better"] for r in runs]
+    return {
+        "tok_s": {name: float(np.median([r["tok_s"][name] for r in runs])) for name in runs[0]["tok_s"]},
+        "auto_over_better": float(np.median(ratios)),
+        "auto_over_better_rounds": ratios,
+        "rounds": runs,
+    }
 
 
 def in_child(*flags: str) -> dict:
@@ -120,11 +142,12 @@ def fresh_engines(args, case: str, names=("k=4", "plain", "auto")):
     return built, prompt_set
 
 
-def run_case(args, case: str, c: int) -> dict:
-    """One case at concurrency `c`: its three engines built, warmed up and served in lockstep in this process."""
+def run_case(args, case: str, c: int, seed: int = 0) -> dict:
+    """One case at concurrency `c`: its three engines built, warmed up and served in lockstep in this process (in
+    the order `seed` draws)."""
     engines, prompt_set = fresh_engines(args, case)
     clients = {name: Clients(e, prompt_set.ids, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
-    lockstep(clients, np.random.default_rng(0))
+    lockstep(clients, np.random.default_rng(seed))
     tokens = {name: client.tokens for name, client in clients.items()}
     assert tokens["auto"] == tokens["k=4"] == tokens["plain"], f"{case} c={c}: the engines' tokens differ"
     rates = {name: client.rate for name, client in clients.items()}

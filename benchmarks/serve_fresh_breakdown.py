@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_fresh_breakdown.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one round, in this process
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the round's lockstep order
     prompt_sets.add_arguments(p, count=16, max_tokens=128)
     args = p.parse_args()
     if args.child:
@@ -53,7 +54,7 @@ def main() -> None:
         p.error(f"--rounds: expected at least 1, got {args.rounds}")
     load_before, rounds = os.getloadavg(), []
     for i in range(args.rounds):
-        rounds.append(in_child("--child"))
+        rounds.append(in_child("--child", "--seed", str(i)))  # each round its own order, as serve_fresh.py
         print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
     record = {
         "command": f"python benchmarks/serve_fresh_breakdown.py --max-tokens {args.max_tokens} --concurrency "
@@ -101,7 +102,7 @@ def one_round(args) -> dict:
         _time_by_kind(engine, kinds[name])
     c = args.concurrency
     clients = {name: Clients(e, prompt_set.ids, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
-    lockstep(clients, np.random.default_rng(0))
+    lockstep(clients, np.random.default_rng(args.seed))
     assert clients["auto"].tokens == clients["plain"].tokens, "the engines' tokens differ"
     for name, client in clients.items():  # host: the steps' seconds outside the executor
         kinds[name]["host"] = [kinds[name]["steps"][0], client.seconds - kinds[name].pop("steps")[1]]
