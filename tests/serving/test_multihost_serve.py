@@ -19,7 +19,7 @@ from jaxspec import bundled, generate
 from sharding.mesh import make_mesh
 from tests.serving.support import NUM_STEPS, free_port, wait_healthy
 
-# Two processes compile every program at start-up on cores other work shares (73 s in one pytest process, 139 s
+# Two processes compile every program at start-up on cores other work shares (73 s in one pytest process, 72-139 s
 # beside a second pytest worker): more than the default 300 s leaves room for a slower machine.
 pytestmark = pytest.mark.timeout(900)
 
