@@ -142,19 +142,26 @@ def fresh_engines(args, case: str, names=("k=4", "plain", "auto")):
     return built, prompt_set
 
 
+def served(args, engines: dict, prompt_set, c: int, seed: int) -> dict[str, Clients]:
+    """`engines` serving REQUESTS requests from `c` clients each, in lockstep in the order `seed` draws; every engine
+    must produce the same tokens (asserted)."""
+    clients = {name: Clients(e, prompt_set.ids, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
+    lockstep(clients, np.random.default_rng(seed))
+    tokens = [client.tokens for client in clients.values()]
+    assert all(t == tokens[0] for t in tokens), f"{args.case} c={c}: the engines' tokens differ"
+    return clients
+
+
 def run_case(args, case: str, c: int, seed: int = 0) -> dict:
     """One case at concurrency `c`: its three engines built, warmed up and served in lockstep in this process (in
     the order `seed` draws)."""
     engines, prompt_set = fresh_engines(args, case)
-    clients = {name: Clients(e, prompt_set.ids, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
-    lockstep(clients, np.random.default_rng(seed))
-    tokens = {name: client.tokens for name, client in clients.items()}
-    assert tokens["auto"] == tokens["k=4"] == tokens["plain"], f"{case} c={c}: the engines' tokens differ"
+    clients = served(args, engines, prompt_set, c, seed)
     rates = {name: client.rate for name, client in clients.items()}
     return {
         "tok_s": rates,
         "auto_over_better": rates["auto"] / max(rates["k=4"], rates["plain"]),
-        "output_loops": prompt_sets.output_loops([list(map(int, t)) for t in tokens["plain"]]),
+        "output_loops": prompt_sets.output_loops([list(map(int, t)) for t in clients["plain"].tokens]),
         "prompt_set": prompt_set.describe(),
     }
 

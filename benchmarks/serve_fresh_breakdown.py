@@ -4,7 +4,8 @@
 this splits the gap between auto and plain decoding where plain decoding is the better one (the bundled pair at 8
 clients, on HumanEval: a chain there serves under half of plain decoding's tokens/s). Per round, in a process of its
 own (as a server starts in one): the plain and auto engines of serve_fresh.py's case, built and warmed up anew, serve
-16 greedy requests of --max-tokens tokens from --concurrency clients in lockstep; each engine's steps are sorted by
+16 greedy requests of --max-tokens tokens from --concurrency clients in lockstep (each round its own order, as
+serve_fresh.py's rounds); each engine's steps are sorted by
 what their executor ran, and the seconds of each kind summed:
 - prefill: steps that ran prefill chunks (the segment that follows in the same program included);
 - probe / chain: segments of a chain (a probe: the policy's one-cycle first measure of the drafter on this traffic);
@@ -26,10 +27,9 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import prompt_sets  # this directory (run as a script)
-from serve_engine import Clients, load_text, lockstep
-from serve_fresh import CASES, CONCURRENCY, REQUESTS, fresh_engines, in_child
+from serve_engine import load_text
+from serve_fresh import CASES, CONCURRENCY, fresh_engines, in_child, served
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("prefill", "probe", "chain", "plain", "other", "host")
@@ -100,10 +100,7 @@ def one_round(args) -> dict:
     kinds = {name: collections.defaultdict(lambda: [0, 0.0]) for name in engines}
     for name, engine in engines.items():
         _time_by_kind(engine, kinds[name])
-    c = args.concurrency
-    clients = {name: Clients(e, prompt_set.ids, c, args.max_tokens, REQUESTS // c) for name, e in engines.items()}
-    lockstep(clients, np.random.default_rng(args.seed))
-    assert clients["auto"].tokens == clients["plain"].tokens, "the engines' tokens differ"
+    clients = served(args, engines, prompt_set, args.concurrency, args.seed)
     for name, client in clients.items():  # host: the steps' seconds outside the executor
         kinds[name]["host"] = [kinds[name]["steps"][0], client.seconds - kinds[name].pop("steps")[1]]
     rates = {name: client.rate for name, client in clients.items()}

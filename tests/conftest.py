@@ -26,7 +26,7 @@ jax.config.update("jax_enable_x64", False)
 # costs more than compiling a small one. A test that measures a compile itself opts out (`without_compilation_cache`).
 # Under pytest-xdist (the README's `-n 2`) the workers share the directory of the process that started them (they
 # inherit its environment), which alone removes it.
-XLA_CACHE = os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAXSPEC_TESTS_XLA_CACHE")
+XLA_CACHE = os.environ.get("JAXSPEC_TESTS_XLA_CACHE") if "PYTEST_XDIST_WORKER" in os.environ else None
 if not XLA_CACHE:
     XLA_CACHE = os.environ["JAXSPEC_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxspec-tests-xla-")
     atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
