@@ -448,10 +448,9 @@ def draft_extend(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, r
 def extend_logits(drafter: Drafter, dparams, tokens_BT, aux_BTI, pos_BT, cache, row_B):
     """`draft_extend` up to the draft logits: (fp32 logits [B, U] and h2 [B, D] at row `row_B`, replicated; the
     updated drafter cache)."""
-    logits, h2, cache = drafter.apply(dparams, tokens_BT, aux_BTI, pos_BT, cache, first_step=True)
+    logits, h2, cache = drafter.apply(dparams, tokens_BT, aux_BTI, pos_BT, cache, first_step=True, at_B=row_B)
     mesh = drafter.target.mesh
-    pick = lambda x: jnp.take_along_axis(replicate(x, mesh), row_B[:, None, None], axis=1)[:, 0]
-    return pick(logits), pick(h2), cache
+    return replicate(logits, mesh)[:, 0], replicate(h2, mesh)[:, 0], cache
 
 
 def draft_tree(drafter: Drafter, dparams, root_logits_BU, hidden_BD, n_B, cache, num_steps: int, topk: int, tilt=None):

@@ -206,14 +206,19 @@ class Eagle3Model(nnx.Module):
         *,
         first_step: bool,
         kv_block: int = KV_BLOCK,
+        at_B: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache | None]:
         """Per-device step. `hidden` is the captured aux [B,T,X*Dt] if `first_step`, else the previous h2 [B,T,D].
         Attention over a cache reads each row's live prefix in blocks of `kv_block` positions (mla.py).
 
         Returns (fp32 logits [B,T,U] (local vocab shard when split), the next step's h [B,T,D] (`output`: h2, or
-        norm(h2) with `norm_output`), updated cache or None).
+        norm(h2) with `norm_output`), updated cache or None). With `at_B` [B] (an index into T per row) every
+        position still writes its cache entry, but the layer's output, MLP and head run at position `at_B` only: the
+        logits and output are [B,1,...] (a draft-extend needs the next draft at each row's last accepted position,
+        nothing after its attention at the others).
         """
-        return self._step(tokens_BT, hidden, first_step, lambda a_BTW: self._attend(a_BTW, pos_BT, cache, kv_block))
+        attend = lambda a_BTW: self._attend(a_BTW, pos_BT, cache, kv_block)  # noqa: E731
+        return self._step(tokens_BT, hidden, first_step, attend, at_B)
 
     def tree_step(
         self,
@@ -240,14 +245,20 @@ class Eagle3Model(nnx.Module):
 
         return self._step(tokens_BK, hidden_BKD, False, attend)
 
-    def _step(self, tokens_BT, hidden, first_step: bool, attend: Callable[[jax.Array], tuple[jax.Array, Any]]):
-        """The layer around its attention: (logits, output, what `attend` returns besides its output)."""
+    def _step(
+        self, tokens_BT, hidden, first_step: bool, attend: Callable[[jax.Array], tuple[jax.Array, Any]], at_B=None
+    ):
+        """The layer around its attention: (logits, output, what `attend` returns besides its output); with `at_B`
+        (see `__call__`) from the attention output on at each row's position `at_B` only."""
         dt = self.dtype
         e_BTD = self.embed_tokens(tokens_BT, dt)
         h_BTD = self.fuse_captured(hidden, dt) if first_step else hidden.astype(dt)
         a_BTW, residual_BTD = self.layer_input(e_BTD, h_BTD)
         with jax.named_scope("attention"):
             attn_BTD, cache = attend(a_BTW)
+            if at_B is not None:
+                at = lambda x_BTD: jnp.take_along_axis(x_BTD, at_B[:, None, None], axis=1)  # noqa: E731
+                attn_BTD, residual_BTD = at(attn_BTD), at(residual_BTD)
             h1_BTD = self.add_attention(residual_BTD, attn_BTD, dt)
         logits_BTU, out_BTD = self.head(self.mlp(h1_BTD, dt))
         return logits_BTU, out_BTD, cache

@@ -92,12 +92,15 @@ class Drafter:
         cache: KVCache | None = None,
         *,
         first_step: bool,
+        at_B: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache | None]:
         """Sharded drafter step (traceable; call inside jit).
 
         `hidden` is the captured aux [B,T,X*Dt] (ascending layers, see `concat_captured`) when `first_step`, else
         the previous step's h2 [B,T,D]. Returns (fp32 draft logits [B,T,U], h2 [B,T,D], cache). Cache entries are
-        written at `pos_BT` (contiguous per sequence) and attention is causal by position.
+        written at `pos_BT` (contiguous per sequence) and attention is causal by position. With `at_B` [B] (int32,
+        an index into T per row) the logits and h2 are those of position `at_B` only, [B,1,...]: every position
+        still writes its cache entry, and only that one runs the MLP and the head (`Eagle3Model.__call__`).
         """
         cfg = self.config
         width = len(cfg.capture_layers) * cfg.target_hidden_size if first_step else cfg.hidden_size
@@ -106,12 +109,16 @@ class Drafter:
         batch, kv_block = self.rules.batch, self.target.kv_block
         cache_spec = self.specs_of(cache)
 
-        def local(params, tokens, hidden, pos, cache):
-            model = nnx.merge(self.graphdef, params)  # a pool (`Paged`) is written and read in place, row by row
-            return model(tokens, hidden, pos, cache, first_step=first_step, kv_block=kv_block)
+        if at_B is not None and at_B.shape != tokens_BT.shape[:1]:
+            raise ValueError(f"at_B: expected shape {tokens_BT.shape[:1]}, got {at_B.shape}")
 
+        def local(params, tokens, hidden, pos, cache, at):
+            model = nnx.merge(self.graphdef, params)  # a pool (`Paged`) is written and read in place, row by row
+            return model(tokens, hidden, pos, cache, first_step=first_step, kv_block=kv_block, at_B=at)
+
+        args = (tokens_BT, hidden, pos_BT, cache, at_B)
         specs = (PartitionSpec(batch, None), PartitionSpec(batch, None, None), PartitionSpec(batch, None), cache_spec)
-        return self._sharded_step(local, params, (tokens_BT, hidden, pos_BT, cache), specs, cache_spec)
+        return self._sharded_step(local, params, args, (*specs, PartitionSpec(batch)), cache_spec)
 
     def apply_tree(
         self,

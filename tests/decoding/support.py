@@ -56,8 +56,10 @@ class OracleDrafter:
         one_hot = lambda t: jax.nn.one_hot(t, V, dtype=jnp.float32)
         return right[..., None] * one_hot(nxt_BT) + wrong[..., None] * one_hot((nxt_BT + 1) % V)
 
-    def apply(self, params, tokens_BT, hidden, pos_BT, cache, *, first_step):
-        return self._logits(pos_BT), jnp.zeros((*tokens_BT.shape, 8), jnp.float32), cache
+    def apply(self, params, tokens_BT, hidden, pos_BT, cache, *, first_step, at_B=None):
+        if at_B is not None:  # `Drafter.apply`'s: the logits and h2 of position at_B only
+            pos_BT = jnp.take_along_axis(pos_BT, at_B[:, None], axis=1)
+        return self._logits(pos_BT), jnp.zeros((*pos_BT.shape, 8), jnp.float32), cache
 
     def apply_tree(self, params, tokens_BK, hidden_BKD, pos_BK, cache, scratch, write_at, mask_BKM, prefix_len_B):
         return self._logits(pos_BK), jnp.zeros((*tokens_BK.shape, 8), jnp.float32), scratch

@@ -98,3 +98,40 @@ def test_a_tree_step_reads_the_pool_in_place(target, kind):
     assert np.isfinite(np.asarray(got[0])).all()
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_a_first_step_at_one_position_per_row_is_the_full_steps_there(target, kind):
+    """A draft-extend runs the drafter's first step over T positions but needs its logits and h2 at one position per
+    row (the last accepted one): with `at_B` the step writes every position's cache entry, as the full step does,
+    and runs the MLP and the head at `at_B` only. Over the dense cache and the pool, at every position of each row."""
+    drafter = make_drafter(target, kind)
+    rng = np.random.default_rng(5)
+    T5 = 5
+    pos = jnp.asarray(POS[:, :1] + np.arange(T5, dtype=np.int32))
+    dense = tuple(rng.standard_normal((B, S, *c.shape[2:])).astype(np.float32) for c in drafter.init_cache(1, 8))
+    tables = (1 + rng.permutation(B * (S // BLOCK))).reshape(B, -1).astype(np.int32)
+    pools = tuple(np.zeros((1 + tables.size, BLOCK, *c.shape[2:]), np.float32) for c in dense)
+    for pool, c in zip(pools, dense, strict=True):
+        for b in range(B):
+            pool[tables[b]] = c[b].reshape(-1, BLOCK, *c.shape[2:])
+    tokens = jnp.asarray(rng.integers(0, target.vocab_size, (B, T5)), jnp.int32)
+    width = len(drafter.capture_layers) * drafter.config.target_hidden_size
+    hidden = jnp.asarray(rng.standard_normal((B, T5, width)), jnp.float32)
+    apply = lambda cache, at=None: drafter.apply(  # noqa: E731
+        drafter.params, tokens, hidden, pos, cache, first_step=True, at_B=at
+    )
+    full, at_one = jax.jit(apply), jax.jit(apply)
+    for cache in (tuple(map(jnp.asarray, dense)), Paged(tuple(map(jnp.asarray, pools)), jnp.asarray(tables))):
+        want_logits, want_h2, want_cache = full(cache)
+        for at_B in ([0, 0, 0], [T5 - 1] * B, rng.integers(0, T5, B), rng.integers(0, T5, B)):
+            at_B = np.asarray(at_B, np.int32)
+            logits, h2, written = at_one(cache, jnp.asarray(at_B))
+            assert logits.shape == (B, 1, want_logits.shape[-1]) and h2.shape == (B, 1, want_h2.shape[-1])
+            rows = np.arange(B)
+            np.testing.assert_allclose(logits[:, 0], np.asarray(want_logits)[rows, at_B], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(h2[:, 0], np.asarray(want_h2)[rows, at_B], rtol=1e-5, atol=1e-5)
+            for got, want in zip(jax.tree.leaves(written), jax.tree.leaves(want_cache), strict=True):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # every position's entry written
+    with pytest.raises(ValueError, match="at_B: expected shape"):
+        apply(tuple(map(jnp.asarray, dense)), jnp.zeros((B + 1,), jnp.int32))
