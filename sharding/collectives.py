@@ -246,6 +246,20 @@ def describe(preset_or_name: CollectivePreset | str) -> dict[str, Any]:
 # the [B, T, V] logits are never gathered.
 
 
+def first_argmax(x: Any) -> Any:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; the first NaN where there is one), as two plain
+    reductions: the maximum, then the lowest index holding it. XLA:CPU runs argmax as one reduction over (value,
+    index) pairs, which it does not vectorise: over [20, 4096] float32 logits (a 4-row k = 4 verify of the bundled
+    pair) this took 114 us against argmax's 198, over the drafter's [4, 2048] 20 us against 57 (ad hoc, 2-core CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x) if jnp.issubdtype(x.dtype, jnp.floating) else x == top
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, ids, x.shape[-1]), axis=-1)
+
+
 def sharded_argmax(logits_local: Any, axis_name: str) -> Any:
     """Global argmax over the last (vocab-split) axis; ties resolve to the lowest id, as `jnp.argmax` does."""
     import jax
@@ -253,7 +267,7 @@ def sharded_argmax(logits_local: Any, axis_name: str) -> Any:
 
     v_local = logits_local.shape[-1]
     local_max = jnp.max(logits_local, axis=-1)
-    local_arg = jnp.argmax(logits_local, axis=-1).astype(jnp.int32) + jax.lax.axis_index(axis_name) * v_local
+    local_arg = first_argmax(logits_local) + jax.lax.axis_index(axis_name) * v_local
     best = jax.lax.pmax(local_max, axis_name)
     candidate = jnp.where(local_max == best, local_arg, jnp.iinfo(jnp.int32).max)
     return jax.lax.pmin(candidate, axis_name)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decoding.sampling_params import VERIFY_MODES
+from sharding.collectives import first_argmax
 
 # The purpose folded into a row's key for its coupled noise (spec_loop's draws fold 0, 1 and 2).
 COUPLED = 3
@@ -54,7 +55,7 @@ def noise(key_B: jax.Array, at_BT: jax.Array, vocab: int) -> jax.Array:
 def target_tokens(key_B: jax.Array, logp_BTV: jax.Array, at_BT: jax.Array) -> jax.Array:
     """The target's token [B, T] (int32) at each index at_BT from its warped log-probabilities: argmax(log p + g)."""
     g_BTV = noise(key_B, at_BT, logp_BTV.shape[-1])
-    return jnp.argmax(logp_BTV + g_BTV, axis=-1).astype(jnp.int32)
+    return first_argmax(logp_BTV + g_BTV)
 
 
 def draft_tokens(key_B: jax.Array, logq_BU: jax.Array, at_B: jax.Array, vocab: int, where_U=None) -> jax.Array:
@@ -62,7 +63,7 @@ def draft_tokens(key_B: jax.Array, logq_BU: jax.Array, at_B: jax.Array, vocab: i
     at that index over the `vocab` target ids, read at `where_U` (the target id of each draft id; None: the same)."""
     g_BV = noise(key_B, at_B[:, None], vocab)[:, 0]
     g_BU = g_BV if where_U is None else g_BV[:, where_U]
-    return jnp.argmax(logq_BU + g_BU, axis=-1).astype(jnp.int32)
+    return first_argmax(logq_BU + g_BU)
 
 
 def select(coupling: Coupling, coupled: Callable[[], Any], other: Callable[[], Any]) -> Any:

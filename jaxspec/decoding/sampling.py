@@ -13,6 +13,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec.decoding.sampling_params import Sampling
+from sharding.collectives import first_argmax
 
 
 def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
@@ -52,7 +53,7 @@ def _keep(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
 def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
     """Token ids [...] (int32) drawn from warp(logits); the argmax when greedy (key unused)."""
     if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_argmax(logits)
     return jax.random.categorical(key, warp(logits, sampling), axis=-1).astype(jnp.int32)
 
 
@@ -123,5 +124,5 @@ def sample_rows(key_B: jax.Array, logits: jax.Array, rows: RowSampling) -> jax.A
         warped = warp_rows(logits, rows)
         return jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(key_B, warped).astype(jnp.int32)
 
-    greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # warp_rows' one-hot: the first maximum
+    greedy = lambda: first_argmax(logits)  # warp_rows' one-hot: the first maximum
     return jax.lax.cond(jnp.any(rows.temperature_B > 0), draw, greedy)

@@ -16,12 +16,15 @@ from pathlib import Path
 
 import jax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sharding.collectives import (
     PRESETS,
     CollectivePreset,
     apply_preset,
     describe,
+    first_argmax,
     get_preset,
     merge_flags,
 )
@@ -171,3 +174,27 @@ def test_unknown_xla_flag_aborts_startup() -> None:
     proc = _run_child("default", [], {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_schedular=true"})
     assert proc.returncode != 0
     assert "Unknown flag" in proc.stderr
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    shape=st.tuples(st.integers(1, 5), st.integers(1, 70)),
+    levels=st.integers(1, 6),  # few distinct values: many ties
+    nans=st.integers(0, 3),
+    dtype=st.sampled_from(["float32", "bfloat16", "int32"]),
+    seed=st.integers(0, 2**16),
+)
+def test_first_argmax_is_jnp_argmax(shape, levels, nans, dtype, seed) -> None:
+    """`first_argmax` (max, then the lowest index holding it) gives `jnp.argmax`'s ids: the first maximum among ties,
+    the first NaN where a row has one, int32."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-levels, levels, shape).astype(np.float32) * 0.5
+    if dtype != "int32":
+        x[rng.integers(0, shape[0], nans), rng.integers(0, shape[1], nans)] = np.nan
+    x = jnp.asarray(x, dtype)
+    got = jax.jit(first_argmax)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
