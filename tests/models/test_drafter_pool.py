@@ -104,7 +104,8 @@ def test_a_tree_step_reads_the_pool_in_place(target, kind):
 def test_a_first_step_at_one_position_per_row_is_the_full_steps_there(target, kind):
     """A draft-extend runs the drafter's first step over T positions but needs its logits and h2 at one position per
     row (the last accepted one): with `at_B` the step writes every position's cache entry, as the full step does,
-    and runs the MLP and the head at `at_B` only. Over the dense cache and the pool, at every position of each row."""
+    and runs the MLP and the head at `at_B` only. Over the dense cache and the pool, at each row's first position, its
+    last, and random ones."""
     drafter = make_drafter(target, kind)
     rng = np.random.default_rng(5)
     T5 = 5

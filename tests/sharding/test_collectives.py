@@ -1,4 +1,5 @@
-"""Collective presets: registry, merge policy, refusal after backend start, and real XLA startup per preset.
+"""Collective presets: registry, merge policy, refusal after backend start, and real XLA startup per preset; and
+`first_argmax`, the argmax the greedy paths (and `sharded_argmax`) take.
 
 The startup test runs each preset in a fresh interpreter: XLA aborts on an unknown flag name or enum value,
 and the CPU jaxlib parses the full DebugOptions table (GPU flags included), so it checks every XLA flag.
