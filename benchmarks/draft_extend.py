@@ -80,7 +80,9 @@ def main() -> None:
         rows_out.append({"rows": rows, "positions": T, "ms": ms, "speedup": float(np.median(ratios)),
                          "speedup_per_round": [round(x, 3) for x in ratios]})  # fmt: skip
     record = {
-        "command": "python benchmarks/draft_extend.py" + (f" --rounds {args.rounds}" if args.rounds != 5 else ""),
+        "command": "python benchmarks/draft_extend.py"
+        + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        + (f" --calls {args.calls}" if args.calls != 200 else ""),
         "rounds": args.rounds, "calls": args.calls, "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "platform": jax.default_backend(), "jax": jax.__version__,
         "results": rows_out,

@@ -34,8 +34,10 @@ def main() -> None:
 
     from sharding.collectives import first_argmax
 
-    fns = {"jnp.argmax": jax.jit(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)), "first_argmax": first_argmax}
-    fns["first_argmax"] = jax.jit(first_argmax)
+    fns = {
+        "jnp.argmax": jax.jit(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)),
+        "first_argmax": jax.jit(first_argmax),
+    }
     load_before, rows = os.getloadavg(), []
     for shape in SHAPES:
         x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
@@ -52,7 +54,9 @@ def main() -> None:
         us = {name: float(np.median(v)) for name, v in per.items()}
         rows.append({"shape": list(shape), "us": us, "speedup": float(np.median(ratios))})
     record = {
-        "command": "python benchmarks/first_argmax.py",
+        "command": "python benchmarks/first_argmax.py"
+        + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        + (f" --calls {args.calls}" if args.calls != 300 else ""),
         "rounds": args.rounds,
         "calls": args.calls,
         "load_average_before": load_before,
