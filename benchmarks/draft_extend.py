@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     from jaxspec import bundled
+    from jaxspec.profiling.timing import alternating_seconds
 
     _, drafter, _ = bundled.load_pair()
     width = len(drafter.capture_layers) * drafter.config.target_hidden_size
@@ -66,13 +66,8 @@ def main() -> None:
     load_before = os.getloadavg()
     for r in range(args.rounds):
         for key, (fns, cache, at) in cases.items():
-            names = list(fns) if r % 2 == 0 else list(fns)[::-1]
-            for name in names:
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    out = fns[name](cache, at)
-                jax.block_until_ready(out)
-                seconds[key][name].append((time.perf_counter() - start) / args.calls)
+            for name, s in alternating_seconds(fns, (cache, at), calls=args.calls, round_index=r).items():
+                seconds[key][name].append(s)
     rows_out = []
     for (rows, T), per in seconds.items():
         ms = {name: 1e3 * float(np.median(v)) for name, v in per.items()}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from jaxspec.profiling.timing import alternating_seconds
     from sharding.collectives import first_argmax
 
     fns = {
@@ -44,12 +44,8 @@ def main() -> None:
         np.testing.assert_array_equal(*(np.asarray(f(x)) for f in fns.values()))
         per = {name: [] for name in fns}
         for r in range(args.rounds):
-            for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    y = fns[name](x)
-                y.block_until_ready()
-                per[name].append(1e6 * (time.perf_counter() - start) / args.calls)
+            for name, s in alternating_seconds(fns, (x,), calls=args.calls, round_index=r).items():
+                per[name].append(1e6 * s)
         ratios = [a / b for a, b in zip(per["jnp.argmax"], per["first_argmax"], strict=True)]
         us = {name: float(np.median(v)) for name, v in per.items()}
         rows.append({"shape": list(shape), "us": us, "speedup": float(np.median(ratios))})

@@ -55,6 +55,23 @@ def median_seconds(fn: Callable[..., Any], state: tuple, *, warmup: int = 1, rep
     return float(np.median(times))
 
 
+def alternating_seconds(fns: dict[str, Callable[..., Any]], args: tuple, *, calls: int, round_index: int) -> dict:
+    """One round of an A/B in one process: each of `fns` called `calls` times on `args` (blocking once after its
+    calls), in the dict's order in even rounds and reversed in odd ones, so a drift of the machine falls on each
+    alike. Returns {name: wall seconds per call}."""
+    if calls < 1:
+        raise ValueError(f"calls: expected >= 1, got {calls}")
+    names = list(fns) if round_index % 2 == 0 else list(fns)[::-1]
+    seconds = {}
+    for name in names:
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fns[name](*args)
+        jax.block_until_ready(out)
+        seconds[name] = (time.perf_counter() - start) / calls
+    return {name: seconds[name] for name in fns}
+
+
 class PhaseTimer:
     """Compiles and times the phases of one (target, drafter) pair at a batch size and cache length."""
 

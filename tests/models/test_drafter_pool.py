@@ -122,12 +122,12 @@ def test_a_first_step_at_one_position_per_row_is_the_full_steps_there(target, ki
     apply = lambda cache, at=None: drafter.apply(  # noqa: E731
         drafter.params, tokens, hidden, pos, cache, first_step=True, at_B=at
     )
-    full, at_one = jax.jit(apply), jax.jit(apply)
+    step = jax.jit(apply)
     for cache in (tuple(map(jnp.asarray, dense)), Paged(tuple(map(jnp.asarray, pools)), jnp.asarray(tables))):
-        want_logits, want_h2, want_cache = full(cache)
+        want_logits, want_h2, want_cache = step(cache)
         for at_B in ([0, 0, 0], [T5 - 1] * B, rng.integers(0, T5, B), rng.integers(0, T5, B)):
             at_B = np.asarray(at_B, np.int32)
-            logits, h2, written = at_one(cache, jnp.asarray(at_B))
+            logits, h2, written = step(cache, jnp.asarray(at_B))
             assert logits.shape == (B, 1, want_logits.shape[-1]) and h2.shape == (B, 1, want_h2.shape[-1])
             rows = np.arange(B)
             np.testing.assert_allclose(logits[:, 0], np.asarray(want_logits)[rows, at_B], rtol=1e-5, atol=1e-5)
