@@ -13,8 +13,10 @@ bundled [0, 2, 3] fail to start). And vLLM runs with VLLM_MLA_DISABLE=1: its CPU
 576-wide latent (the pair's is 64 + 16), so attention runs on the decompressed keys and values.
 
 Both servers run for the whole benchmark and every concurrency level measures one, then the other, the order
-alternating over rounds (as serve_load.py does): an idle server takes next to no CPU (the record has each server's CPU
-seconds while the other was measured), so other work on this shared machine falls on both alike. Every request is
+alternating over rounds (as serve_load.py does), each level once the other server is idle (`wait_quiet`: vLLM's
+process group went on taking ~0.9 CPU seconds after each of its levels, a third of a core through the jaxspec level
+that followed it, when levels started at once); the record has each server's CPU seconds while the other was
+measured, and the seconds each level waited, so other work on this shared machine falls on both alike. Every request is
 greedy, streamed (usage included), `ignore_eos`, --max-tokens tokens; tokens/s = completion tokens / wall seconds of
 the level. Accepted tokens per cycle: vLLM's 1 + accepted / drafts (/metrics, `vllm:spec_decode_num_*`), jaxspec's
 1 + accepted / generating row-cycles (/metrics), each over the level. Agreement: each request's greedy text on the two
@@ -51,6 +53,9 @@ DRAFTER = ROOT / "assets" / "kimi-py-tiny" / "drafter"
 MODEL = "kimi-py-tiny"  # the name both servers serve the pair under
 NUM_SPECULATIVE_TOKENS = 3  # vLLM's chain depth: jaxspec's default (auto) runs the bundled tuning's chain or plain
 SERVERS = ("vllm", "jaxspec")
+# A server counts as idle while it takes under QUIET_SHARE of a core over QUIET_WINDOW seconds; a level waits for the
+# other server to be idle at most QUIET_TIMEOUT seconds.
+QUIET_SHARE, QUIET_WINDOW, QUIET_TIMEOUT = 0.05, 0.5, 30.0
 
 
 # ------------------------------------------------------------------------------------------------ the two servers
@@ -112,6 +117,18 @@ def cpu_seconds(pgid: int) -> float:
             if int(fields[2]) == pgid:  # pgrp; utime and stime follow at 11 and 12
                 total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pgid: int, *, cpu=cpu_seconds, sleep=time.sleep, clock=time.monotonic) -> float:
+    """Wait until process group `pgid` took under QUIET_SHARE of a core over QUIET_WINDOW seconds, at most
+    QUIET_TIMEOUT seconds (then go on: the row records the other server's CPU seconds during the level anyway);
+    returns the seconds waited. `cpu`, `sleep` and `clock` are the ones to use (tests pass their own)."""
+    start = clock()
+    while True:
+        before = cpu(pgid)
+        sleep(QUIET_WINDOW)
+        if cpu(pgid) - before < QUIET_SHARE * QUIET_WINDOW or clock() - start >= QUIET_TIMEOUT:
+            return clock() - start
 
 
 def vllm_counters(base: str) -> dict[str, float]:
@@ -275,7 +292,12 @@ def measure(args, procs: dict, ports: dict, prompts: list[list[int]]) -> tuple[l
         for i, c in enumerate(levels):
             order = SERVERS if (r + i) % 2 == 0 else SERVERS[::-1]
             for name in order:
-                row = {"round": r, **level(name, bases[name], prompts, c, args.requests, args, other[name])}
+                waited = wait_quiet(other[name])
+                row = {
+                    "round": r,
+                    "waited_s": waited,
+                    **level(name, bases[name], prompts, c, args.requests, args, other[name]),
+                }
                 rows.append(row)
                 print(
                     f"round {r} c={c} {name:8s}: {row['tok_s']:6.1f} tok/s, {row['accepted_per_cycle']:.2f} "
@@ -420,6 +442,7 @@ def markdown(record: dict) -> str:
         for t in record["table"]
     ]
     idle = max(r["other_server_cpu_s"] / r["seconds"] for r in record["rows"])
+    waited = max((r["waited_s"] for r in record["rows"] if "waited_s" in r), default=None)
     binding = record["vllm_cpu_binding"]
     lines += [
         "",
@@ -434,7 +457,14 @@ def markdown(record: dict) -> str:
         "cycle: vLLM 1 + accepted / drafts, jaxspec 1 + accepted / generating row-cycles (each /metrics, over the "
         "levels); jaxspec's default `--num-steps auto` runs plain decoding or the bundled tuning's chain per segment, "
         "so 1.00 means it chose plain decoding. vLLM's chain: k = 3. The server not measured took at most "
-        f"{idle:.0%} of a core meanwhile (its process group's CPU seconds). vLLM, at its defaults, bound its model "
+        f"{idle:.0%} of a core meanwhile (its process group's CPU seconds)"
+        + (
+            f"; each level started once the other server had taken under {QUIET_SHARE:.0%} of a core over "
+            f"{QUIET_WINDOW} s (waited {waited:.1f} s at most)."
+            if waited is not None
+            else "."
+        )
+        + " vLLM, at its defaults, bound its model "
         f"worker's OpenMP threads to core(s) {binding['core_ids']} and left {binding['reserved_cpus']} to its "
         "other processes; jaxspec's XLA uses every core.",
         "",

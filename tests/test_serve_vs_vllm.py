@@ -44,3 +44,37 @@ def test_every_round_batched_judges_the_level_as_a_whole():
     assert got["rounds"] == [0, 1] and got["jaxspec_over_vllm"] == pytest.approx(2900 / 1900)
     none = {**rates, ("vllm", 4): [520, 530]}  # vLLM batched in no round
     assert serve_vs_vllm.batched(rows(none), 4) == {"rounds": [], "jaxspec_over_vllm": None}
+
+
+class FakeServer:
+    """A process group whose CPU seconds grow `busy` per second until `quiet_after`, then stay; a fake clock."""
+
+    def __init__(self, busy: float, quiet_after: float):
+        self.now, self.busy, self.quiet_after = 0.0, busy, quiet_after
+
+    def cpu(self, _pgid: int) -> float:
+        return self.busy * min(self.now, self.quiet_after)
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_level_waits_until_the_other_server_is_idle():
+    # vLLM's process group went on taking ~0.9 CPU seconds after its levels: a level started then shared the cores
+    server = FakeServer(busy=0.9, quiet_after=1.2)
+    waited = serve_vs_vllm.wait_quiet(1, cpu=server.cpu, sleep=server.sleep, clock=lambda: server.now)
+    assert server.quiet_after < waited <= server.quiet_after + 2 * serve_vs_vllm.QUIET_WINDOW
+    idle = FakeServer(busy=0.9, quiet_after=0.0)
+    assert serve_vs_vllm.wait_quiet(1, cpu=idle.cpu, sleep=idle.sleep, clock=lambda: idle.now) == pytest.approx(
+        serve_vs_vllm.QUIET_WINDOW
+    )
+    below = FakeServer(busy=serve_vs_vllm.QUIET_SHARE / 2, quiet_after=1e9)  # busy, but under the idle share
+    assert serve_vs_vllm.wait_quiet(1, cpu=below.cpu, sleep=below.sleep, clock=lambda: below.now) == pytest.approx(
+        serve_vs_vllm.QUIET_WINDOW
+    )
+
+
+def test_a_server_that_never_goes_idle_is_waited_for_at_most_the_timeout():
+    server = FakeServer(busy=1.0, quiet_after=1e9)
+    waited = serve_vs_vllm.wait_quiet(1, cpu=server.cpu, sleep=server.sleep, clock=lambda: server.now)
+    assert serve_vs_vllm.QUIET_TIMEOUT <= waited < serve_vs_vllm.QUIET_TIMEOUT + serve_vs_vllm.QUIET_WINDOW + 1e-9
