@@ -32,7 +32,7 @@ def scattered(pool, lead, cache, new, pos):
     return _set(pool, (*lead, blocks, offsets), new)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(pools(), st.sampled_from(["stacked", "drafter"]), st.sampled_from([jnp.float32, jnp.bfloat16]))
 def test_runs_put_the_scatters_values(case, layout, dtype):
     blk, N, tables, starts, T, seed = case
