@@ -80,21 +80,10 @@ class Paged(NamedTuple):
 
     def write(self, new: tuple[jax.Array, ...], pos_BT: jax.Array) -> Paged:
         """This drafter pool with each row's T new entries (one array [B, T, ...] per pool array) put at its
-        positions `pos_BT` (each row's consecutive from >= 0: pos_BT[:, 0] + [0, T)), in the rows' blocks (in place;
-        positions outside the rows' tables dropped)."""
-        put = lambda pool, n: self._put(pool, (), n.astype(pool.dtype), pos_BT)  # noqa: E731
-        return Paged(tuple(put(p, n) for p, n in zip(self.pool, new, strict=True)), self.tables)
-
-    def _put(self, array: jax.Array, lead: tuple, new_BT: jax.Array, pos_BT: jax.Array) -> jax.Array:
-        """`array` (one pool array, [*lead axes, N, block, ...]: the stacked pool's layer, or none) with each row's
-        T new entries put at its consecutive positions `pos_BT` through its block table; positions outside the
-        tables dropped. A scatter of B x T entries, or on XLA:CPU for runs of T >= 2 `_put_runs` (same values)."""
+        positions `pos_BT`, in the rows' blocks (in place; positions outside the rows' tables dropped)."""
         blocks_BT, offsets_BT = self.slots(pos_BT)
-        scatter = lambda a, n: _set(a, (*lead, blocks_BT, offsets_BT), n)  # noqa: E731
-        if new_BT.shape[1] < 2:
-            return scatter(array, new_BT)
-        runs = lambda a, n: _put_runs(a, lead, self.tables, n, pos_BT[:, 0])  # noqa: E731
-        return jax.lax.platform_dependent(array, new_BT, cpu=runs, default=scatter)
+        put = lambda pool, n: _set(pool, (blocks_BT, offsets_BT), n.astype(pool.dtype))  # noqa: E731
+        return Paged(tuple(put(p, n) for p, n in zip(self.pool, new, strict=True)), self.tables)
 
 
 def paged_specs(mesh, pool_specs: Any, batch_axis: Any) -> Paged:
@@ -145,13 +134,12 @@ def through_cache(new_BTY: jax.Array, cache: Cache) -> jax.Array:
 
 
 def write_cache(cache_LBSY: Cache, layer: jax.Array | int, new_BTY: jax.Array, pos_BT: jax.Array) -> Cache:
-    """Store each row's T new entries at their positions in `layer` (in place; out-of-range dropped), quantised
-    when the cache is fp8; a `Paged` cache's through its rows' block tables, where each row's positions must be
-    consecutive from >= 0 (pos_BT[:, 0] + [0, T): every chain, prefill and catch-up step's; a tree writes its own
-    way)."""
+    """Store each row's T new entries at their positions in `layer` (an in-place scatter; out-of-range dropped),
+    quantised when the cache is fp8; a `Paged` cache's through its rows' block tables."""
     stored = quantize_entries(new_BTY) if is_fp8(_array(cache_LBSY)) else new_BTY.astype(_array(cache_LBSY).dtype)
     if isinstance(cache_LBSY, Paged):
-        return cache_LBSY._replace(pool=cache_LBSY._put(cache_LBSY.pool, (layer,), stored, pos_BT))
+        blocks_BT, offsets_BT = cache_LBSY.slots(pos_BT)
+        return cache_LBSY._replace(pool=_set(cache_LBSY.pool, (layer, blocks_BT, offsets_BT), stored))
     rows_BT = jnp.broadcast_to(jnp.arange(pos_BT.shape[0], dtype=pos_BT.dtype)[:, None], pos_BT.shape)
     return _set(cache_LBSY, (layer, rows_BT, pos_BT), stored)
 
@@ -169,42 +157,6 @@ def _set(array: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
         return u16(u16(a, jnp.uint16).at[index].set(u16(v, jnp.uint16), mode="drop"), jnp.bfloat16)
 
     return jax.lax.platform_dependent(array, values, cpu=bits, default=plain)
-
-
-def _put_runs(array: jax.Array, lead: tuple, tables: jax.Array, new_BT: jax.Array, start_B: jax.Array) -> jax.Array:
-    """`array` [*lead, N, block, ...] with row b's T entries `new_BT[b]` at its positions start_B[b] + [0, T)
-    (start_B >= 0) through `tables` [B, K], positions past K x block dropped: per row, the blocks its run spans are
-    sliced out, the run put into them with one dynamic_update_slice, and the blocks it reached written back, nothing
-    else. The scatter's values (a row's table holds a block once, but for the null block 0, where a row owns none:
-    what lands there is never read), in a few operations per row: XLA:CPU
-    runs a scatter as a loop over its B x T entries, several operations each (a 64-token prefill chunk: 64
-    iterations per layer). A bfloat16 array's through a uint16 view, as `_set`'s (XLA:CPU widens it whole)."""
-    if array.dtype == jnp.bfloat16:
-        u16 = lambda x, t: jax.lax.bitcast_convert_type(x, t)  # noqa: E731
-        bits = _put_runs(u16(array, jnp.uint16), lead, tables, u16(new_BT, jnp.uint16), start_B)
-        return u16(bits, jnp.bfloat16)
-    blk, K = array.shape[len(lead) + 1], tables.shape[1]
-    B, T = new_BT.shape[:2]
-    tail = array.shape[len(lead) + 2 :]
-    n = -(-(blk - 1 + T) // blk)  # blocks a run of T from any offset spans, at most
-    size, zeros = (1,) * len(lead) + (1, blk) + tail, (0,) * len(tail)
-    for b in range(B):
-        start = start_B[b]
-        k0, o = start // blk, start % blk
-        ks = [k0 + j for j in range(n)]
-        ids = [tables[b, jnp.clip(k, 0, K - 1)] for k in ks]
-        window = jnp.concatenate([jax.lax.dynamic_slice(array, (*lead, i, 0, *zeros), size) for i in ids], len(lead))
-        window = window.reshape(n * blk, *tail)
-        pos_T = start + jnp.arange(T, dtype=start.dtype)
-        inside_T = (pos_T < K * blk).reshape(T, *(1,) * len(tail))
-        run = jnp.where(inside_T, new_BT[b], jax.lax.dynamic_slice_in_dim(window, o, T))
-        window = jax.lax.dynamic_update_slice_in_dim(window, run, o, 0)
-        for j in range(n):  # a block the run did not reach writes the first one's values there again (its id may
-            reached = (o + T > j * blk) & (ks[j] < K)  # be a clipped copy of one it reached: its values are stale)
-            at = jnp.where(reached, j * blk, 0) if j else 0
-            values = jax.lax.dynamic_slice_in_dim(window, at, blk).reshape(size)
-            array = jax.lax.dynamic_update_slice(array, values, (*lead, jnp.where(reached, ids[j], ids[0]), 0, *zeros))
-    return array
 
 
 def _array(cache: Cache) -> jax.Array:
