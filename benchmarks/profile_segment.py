@@ -46,7 +46,7 @@ def part_of(op_name: str) -> str:
     for part, words in PARTS:
         if any(w in op_name for w in words):
             return part
-    if not op_name:  # fusions XLA left without metadata (on inspection of the dump: mostly attention's block dots)
+    if not op_name:  # fusions XLA left without metadata (scatter loops, drafter dots, attention's: performance.md)
         return "no scope (fusions without metadata)"
     return "other (loop bookkeeping, copies, accept and commit)"
 
