@@ -442,7 +442,7 @@ def markdown(record: dict) -> str:
         for t in record["table"]
     ]
     idle = max(r["other_server_cpu_s"] / r["seconds"] for r in record["rows"])
-    waited = max((r["waited_s"] for r in record["rows"] if "waited_s" in r), default=None)
+    waited = max(r["waited_s"] for r in record["rows"])
     binding = record["vllm_cpu_binding"]
     lines += [
         "",
@@ -457,14 +457,9 @@ def markdown(record: dict) -> str:
         "cycle: vLLM 1 + accepted / drafts, jaxspec 1 + accepted / generating row-cycles (each /metrics, over the "
         "levels); jaxspec's default `--num-steps auto` runs plain decoding or the bundled tuning's chain per segment, "
         "so 1.00 means it chose plain decoding. vLLM's chain: k = 3. The server not measured took at most "
-        f"{idle:.0%} of a core meanwhile (its process group's CPU seconds)"
-        + (
-            f"; each level started once the other server had taken under {QUIET_SHARE:.0%} of a core over "
-            f"{QUIET_WINDOW} s (waited {waited:.1f} s at most)."
-            if waited is not None
-            else "."
-        )
-        + " vLLM, at its defaults, bound its model "
+        f"{idle:.0%} of a core meanwhile (its process group's CPU seconds); each level started once the other "
+        f"server had taken under {QUIET_SHARE:.0%} of a core over {QUIET_WINDOW} s (waited {waited:.1f} s at most). "
+        "vLLM, at its defaults, bound its model "
         f"worker's OpenMP threads to core(s) {binding['core_ids']} and left {binding['reserved_cpus']} to its "
         "other processes; jaxspec's XLA uses every core.",
         "",

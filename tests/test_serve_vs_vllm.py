@@ -58,23 +58,20 @@ class FakeServer:
     def sleep(self, seconds: float) -> None:
         self.now += seconds
 
+    def waited(self) -> float:
+        """The seconds `wait_quiet` waits for this server (on its clock)."""
+        return serve_vs_vllm.wait_quiet(1, cpu=self.cpu, sleep=self.sleep, clock=lambda: self.now)
+
 
 def test_a_level_waits_until_the_other_server_is_idle():
     # vLLM's process group went on taking ~0.9 CPU seconds after its levels: a level started then shared the cores
     server = FakeServer(busy=0.9, quiet_after=1.2)
-    waited = serve_vs_vllm.wait_quiet(1, cpu=server.cpu, sleep=server.sleep, clock=lambda: server.now)
-    assert server.quiet_after < waited <= server.quiet_after + 2 * serve_vs_vllm.QUIET_WINDOW
-    idle = FakeServer(busy=0.9, quiet_after=0.0)
-    assert serve_vs_vllm.wait_quiet(1, cpu=idle.cpu, sleep=idle.sleep, clock=lambda: idle.now) == pytest.approx(
-        serve_vs_vllm.QUIET_WINDOW
-    )
+    assert server.quiet_after < server.waited() <= server.quiet_after + 2 * serve_vs_vllm.QUIET_WINDOW
+    assert FakeServer(busy=0.9, quiet_after=0.0).waited() == pytest.approx(serve_vs_vllm.QUIET_WINDOW)
     below = FakeServer(busy=serve_vs_vllm.QUIET_SHARE / 2, quiet_after=1e9)  # busy, but under the idle share
-    assert serve_vs_vllm.wait_quiet(1, cpu=below.cpu, sleep=below.sleep, clock=lambda: below.now) == pytest.approx(
-        serve_vs_vllm.QUIET_WINDOW
-    )
+    assert below.waited() == pytest.approx(serve_vs_vllm.QUIET_WINDOW)
 
 
 def test_a_server_that_never_goes_idle_is_waited_for_at_most_the_timeout():
-    server = FakeServer(busy=1.0, quiet_after=1e9)
-    waited = serve_vs_vllm.wait_quiet(1, cpu=server.cpu, sleep=server.sleep, clock=lambda: server.now)
+    waited = FakeServer(busy=1.0, quiet_after=1e9).waited()
     assert serve_vs_vllm.QUIET_TIMEOUT <= waited < serve_vs_vllm.QUIET_TIMEOUT + serve_vs_vllm.QUIET_WINDOW + 1e-9
