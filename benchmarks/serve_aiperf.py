@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+from serve_load import server_env  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "kimi-py-tiny"
@@ -47,7 +48,7 @@ def start_server(port: int, log: Path) -> tuple[subprocess.Popen, float]:
     """`jaxspec serve` on `port`; returns the process and the seconds until /health answered 200."""
     argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), *SERVER_FLAGS]
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=server_env())
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"serve_aiperf: the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")

@@ -34,6 +34,17 @@ import prompt_sets  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "kimi-py-tiny"
+# Set by the test suite's and CI's environment for simulated device meshes (sharding/cpu.py), not by a user serving:
+# inherited, it gives a one-device server's XLA:CPU a pool of that many threads on the machine's cores (2 here), and
+# served c = 4 levels ran 8-10% fewer tokens/s with it (ad hoc, 2026-12-07).
+TEST_ONLY_ENV = ("PJRT_NPROC",)
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a benchmark starts `jaxspec serve` in: this one, with the repository on PYTHONPATH, less the
+    test-only settings (TEST_ONLY_ENV), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in TEST_ONLY_ENV}
+    return env | {"PYTHONPATH": str(ROOT)} | (extra or {})
 
 
 def start_server(num_steps: str, args, log: Path) -> tuple[subprocess.Popen, str]:
@@ -42,8 +53,7 @@ def start_server(num_steps: str, args, log: Path) -> tuple[subprocess.Popen, str
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "jaxspec", "serve", "--port", str(port), "--num-steps", num_steps]
     argv += ["--max-batch", str(args.max_batch), "--max-context", str(args.max_context), "--log-level", "warning"]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=server_env())
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -44,7 +44,7 @@ import numpy as np
 import openai
 import prompt_sets  # this directory (run as a script)
 from serve_aiperf import fmt_load, free_port
-from serve_load import scrape, wait_ready
+from serve_load import TEST_ONLY_ENV, scrape, server_env, wait_ready
 from vllm_checkpoint import write_dequantized, write_vllm_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,9 +83,10 @@ def jaxspec_command(port: int) -> list[str]:
 
 
 def start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """`argv` in a new session (its own process group: `stop` ends every process it started)."""
+    """`argv` in a new session (its own process group: `stop` ends every process it started), in `server_env` plus
+    `env`."""
     with log.open("w") as out:
-        env = os.environ | {"PYTHONPATH": str(ROOT)} | env
+        env = server_env(env)
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
 
 
@@ -270,6 +271,7 @@ def main(argv=None) -> int:
     record |= {"command": prompt_sets.command("benchmarks/serve_vs_vllm.py", portable_argv(args), args)}
     record["servers"] = {name: portable(*commands[name], args) for name in SERVERS}
     record["vllm_cpu_binding"] = vllm_binding((args.work / "vllm.log").read_text())
+    record["environment_left_out"] = list(TEST_ONLY_ENV)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(record))
     print(markdown(record), f"logs and checkpoints: {args.work}", sep="\n")
@@ -461,7 +463,8 @@ def markdown(record: dict) -> str:
         f"server had taken under {QUIET_SHARE:.0%} of a core over {QUIET_WINDOW} s (waited {waited:.1f} s at most). "
         "vLLM, at its defaults, bound its model "
         f"worker's OpenMP threads to core(s) {binding['core_ids']} and left {binding['reserved_cpus']} to its "
-        "other processes; jaxspec's XLA uses every core.",
+        "other processes; jaxspec's XLA uses every core. Both servers ran in this script's environment less "
+        f"{', '.join(record['environment_left_out'])} (the test suite's setting for simulated device meshes).",
         "",
         "Texts: each request's greedy text of round 0 on the two servers (jaxspec computes in float32, its CPU "
         "default; vLLM in its --dtype). "

@@ -75,3 +75,20 @@ def test_a_level_waits_until_the_other_server_is_idle():
 def test_a_server_that_never_goes_idle_is_waited_for_at_most_the_timeout():
     waited = FakeServer(busy=1.0, quiet_after=1e9).waited()
     assert serve_vs_vllm.QUIET_TIMEOUT <= waited < serve_vs_vllm.QUIET_TIMEOUT + serve_vs_vllm.QUIET_WINDOW + 1e-9
+
+
+def test_servers_start_without_the_test_suites_simulated_mesh_setting(monkeypatch, tmp_path):
+    # .ci/run and tests/conftest.py export PJRT_NPROC=32 for simulated meshes; a user's `jaxspec serve` has none, and a
+    # one-device server inheriting it ran XLA:CPU with 32 pool threads on 2 cores
+    import serve_load
+
+    monkeypatch.setenv("PJRT_NPROC", "32")
+    monkeypatch.setenv("JAXSPEC_SOMETHING_ELSE", "kept")
+    env = serve_load.server_env({"VLLM_MLA_DISABLE": "1"})
+    assert "PJRT_NPROC" not in env and set(serve_load.TEST_ONLY_ENV) == {"PJRT_NPROC"}
+    assert env["JAXSPEC_SOMETHING_ELSE"] == "kept" and env["VLLM_MLA_DISABLE"] == "1"
+    assert env["PYTHONPATH"] == str(serve_load.ROOT)
+    started = {}
+    monkeypatch.setattr(serve_vs_vllm.subprocess, "Popen", lambda argv, **kw: started.update(kw))
+    serve_vs_vllm.start(["true"], {"X": "1"}, tmp_path / "log")
+    assert "PJRT_NPROC" not in started["env"] and started["env"]["X"] == "1"
