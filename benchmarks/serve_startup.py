@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+from serve_load import server_env  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--max-batch", "4", "--batch-buckets", "1,4", "--max-context", "256"]
@@ -63,7 +64,7 @@ def time_to_health(flags: list[str], log: Path, limit: float, processes: int = 1
     logs = [log.with_suffix(f".{i}.log") if processes > 1 else log for i in range(processes)]
     start = time.monotonic()
     procs = [
-        subprocess.Popen(a, stdout=f.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+        subprocess.Popen(a, stdout=f.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=server_env())
         for a, f in zip(argv, logs, strict=True)
     ]
     try:
