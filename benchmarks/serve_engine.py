@@ -33,6 +33,16 @@ import prompt_sets  # this directory (run as a script)
 VARIANTS = {"old": dict(greedy_program=False), "new": {}}
 
 
+def as_served() -> list[str]:
+    """Drop the test-only settings (serve_load.TEST_ONLY_ENV: the test suite's PJRT_NPROC) from this process's
+    environment, as `jaxspec serve` runs without them; call before JAX starts its CPU client (a child process started
+    after it inherits the change). Returns the names it dropped (a record's "environment_left_out": the in-process
+    records before 2026-12-07 evening ran with PJRT_NPROC=32 inherited, every engine alike)."""
+    from serve_load import TEST_ONLY_ENV
+
+    return [name for name in TEST_ONLY_ENV if os.environ.pop(name, None) is not None]
+
+
 def load(engine, prompts, c: int, max_tokens: int, per_client: int = 2):
     """`c` clients, each sending `per_client` requests of `max_tokens` one after the other, driven by `engine.step`
     here (Python's garbage collector paused); returns (tokens/s over the engine's steps, every request's tokens)."""

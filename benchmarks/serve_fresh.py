@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import prompt_sets  # this directory (run as a script)
 from serve_adaptive import scrambled  # this directory (run as a script)
-from serve_engine import Clients, load_text, lockstep
+from serve_engine import Clients, as_served, load_text, lockstep
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 16
@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the round's lockstep order
     prompt_sets.add_arguments(p, count=16, max_tokens=128)  # + --max-tokens: inside the 256 positions of a slot
     args = p.parse_args()
+    left_out = as_served()  # the children (one per case and round) inherit it
     if args.case:
         print(json.dumps(run_case(args, args.case, args.concurrency, args.seed)), flush=True)
         return
@@ -72,6 +73,7 @@ def main() -> None:
         "command": f"python benchmarks/serve_fresh.py --max-tokens {args.max_tokens} --rounds {args.rounds} "
         f"--int4-experts {args.int4_experts} {prompt_sets.flags(args)}",
         **prompt_set,
+        "environment_left_out": left_out,
         "output_loops": loops,  # recorded, not refused: every engine serves the same tokens
         "cpus": os.cpu_count(),
         "load_average_before": load_before,

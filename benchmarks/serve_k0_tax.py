@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from serve_engine import Clients, lockstep, report  # this directory (run as a script)
+from serve_engine import Clients, as_served, lockstep, report  # this directory (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--int4-experts", default="auto", help="the target's INT4 experts: auto, packed, dense")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, request i seeded i")
     args = p.parse_args()
+    left_out = as_served()
     if not args.temperature >= 0:
         p.error(f"--temperature: expected a number >= 0, got {args.temperature}")
     name = "serve_k0_tax_sampled.json" if args.temperature else "serve_k0_tax.json"
@@ -83,6 +84,7 @@ def main() -> None:
         "command": f"python benchmarks/serve_k0_tax.py --max-tokens {args.max_tokens} --requests {args.requests} "
         f"--rounds {args.rounds} --int4-experts {args.int4_experts}"
         + (f" --temperature {args.temperature:g}" if args.temperature else ""),
+        "environment_left_out": left_out,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "results": results,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import prompt_sets  # this directory (run as a script)
-from serve_engine import Clients, acceptance, load_text, lockstep
+from serve_engine import Clients, acceptance, as_served, load_text, lockstep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,6 +97,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "serve_long_context.json")
     args = p.parse_args()
+    left_out = as_served()
     from jaxspec import bundled
     from jaxspec.cli.serve import _recorded_acceptance
     from jaxspec.decoding import DraftShape
@@ -137,6 +138,7 @@ def main() -> None:
     )
     record = {
         "command": command,
+        "environment_left_out": left_out,
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

@@ -92,3 +92,18 @@ def test_servers_start_without_the_test_suites_simulated_mesh_setting(monkeypatc
     monkeypatch.setattr(serve_vs_vllm.subprocess, "Popen", lambda argv, **kw: started.update(kw))
     serve_vs_vllm.start(["true"], {"X": "1"}, tmp_path / "log")
     assert "PJRT_NPROC" not in started["env"] and started["env"]["X"] == "1"
+
+
+def test_in_process_benchmarks_drop_the_test_suites_simulated_mesh_setting(monkeypatch):
+    # serve_long_context.py, serve_fresh.py (and its children) and serve_k0_tax.py run their engines in-process: they
+    # drop it from their own environment before JAX starts, and their records say what they dropped
+    import serve_engine
+
+    monkeypatch.setenv("PJRT_NPROC", "32")
+    monkeypatch.setenv("JAXSPEC_SOMETHING_ELSE", "kept")
+    assert serve_engine.as_served() == ["PJRT_NPROC"]
+    assert "PJRT_NPROC" not in serve_engine.os.environ and serve_engine.os.environ["JAXSPEC_SOMETHING_ELSE"] == "kept"
+    assert serve_engine.as_served() == []
+    for script in ("serve_long_context.py", "serve_fresh.py", "serve_k0_tax.py"):
+        main = (Path(__file__).resolve().parent.parent / "benchmarks" / script).read_text().split("def main(")[1]
+        assert main.index("as_served()") < main.index("from jaxspec"), script  # before the engines are built

@@ -68,7 +68,8 @@ prefill is most of its request's time), for 3-7% more tokens per chain cycle (E 
 against 4.04 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on
 the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains
 on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance (counted apart); so
-once a chain has measured the drafter on this traffic, every FEED_EVERY-th admission is fed all the same, and chains
+once a chain has measured the drafter on this traffic, every FEED_EVERY-th admission is fed all the same (every
+2 x FEED_EVERY-th for a prompt in the next context range, and so on), and chains
 keep measuring a fed row's acceptance on traffic that changes. (Not before: until then no chain runs but a first one, at
 once where one is predicted to win, else after seconds of exploring's wait, which a row fed now would not live to see;
 on a fresh server with a drafter that accepts nothing, the 16th request's prefill fed for no chain was 1.8% of the load
@@ -79,12 +80,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import statistics
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxspec.decoding.draft_shape import DraftShape
-from jaxspec.profiling.cost_model import conditional_acceptance, expected_tokens
+from jaxspec.profiling.cost_model import expected_tokens
 from jaxspec.serving.plan import Counters, Segment
 
 RECENT = 8  # cycle-time measurements kept per (shape, row bucket)
@@ -97,7 +99,10 @@ FEED = 1.0  # rows are fed the drafter at prefill when some chain is predicted a
 # tie does not repay)
 FEED_EVERY = 16  # ... and then every FEED_EVERY-th admission all the same (a fed prompt's prefill costs about
 # 1.25x an unfed one's on the bundled pair, so this costs ~1.5% of prefill where no chain pays: under the 2% share
-# that exploring takes; a drafter of 1 layer beside a 61-layer target makes it nothing)
+# that exploring takes; a drafter of 1 layer beside a 61-layer target makes it nothing), twice as few in each next
+# context range of the prompt (a prompt 4x longer costs ~4x as much to feed, and its prefill is more of its request:
+# at 1 row, 15% of a 128-token prompt's request of 64 tokens, 54% at 768 tokens and 73% at 1,792; so the forced feeds
+# cost about 0.3%, 0.5% and 0.3% of the load in the three ranges, where one in 16 took 1.1% at 768 and 1.2% at 1,792)
 PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
 UNKNOWN_ACCEPTANCE = 0.5  # a_j predicted at a draft position nothing has measured or given
 CONTEXT_RANGE = 256  # the first context range's longest live length; each next range is 4x longer
@@ -136,7 +141,10 @@ class DraftPolicy:
         self._last: Counters | None = None
         self.predicted: float | None = None  # tokens/s predicted for the last chosen segment (None: not yet timed)
         self.probing = False  # the last chosen segment measures a timed shape's acceptance alone: one cycle will do
-        self._expected: dict[tuple[int, int, bool], float] = {}  # (draft depth, range, fed) -> E under the counters
+        # E per (draft depth, range, fed) and a_j per (range or None, fed) under the counters: the scheduler asks for
+        # them every step, and they change only when the counters do (`observe`, `prior`)
+        self._expected: dict[tuple[int, int, bool], float] = {}
+        self._accepting: dict[tuple[int | None, bool], np.ndarray] = {}
         self._unfed = 0  # admissions not fed the drafter in a row
         self._measured_online = False  # a drafting segment has counted acceptance on this traffic
         self._fed_online = False  # ... on rows fed the drafter at prefill
@@ -154,7 +162,7 @@ class DraftPolicy:
         given = np.clip(np.nan_to_num(np.asarray(acceptance, np.float64)[: self.depth]), 0.0, 1.0)
         self._recorded = np.pad(given, (0, self.depth - len(given)), constant_values=np.nan)
         self._recorded_weight = PRIOR_ROW_CYCLES
-        self._expected.clear()
+        self._forget()
 
     def since(self, counters: Counters) -> None:
         """Learn only from what the loop counts after `counters` (a fresh policy over a used loop state: the
@@ -176,10 +184,20 @@ class DraftPolicy:
         recorded acceptance is theirs) or not: over every context range, or in the range of `context`. Each narrower
         set of counters is predicted from its own with the wider one's a_j as a prior (`_shrunk`): unfed rows' from
         the fed rows', a range's from its rows' over every range."""
-        a = self._shrunk(True, None, self._recorded, self._recorded_weight)
-        if not fed:
-            a = self._shrunk(False, None, a)
-        return a if context is None else self._shrunk(fed, context_range(context), a)
+        return self._accepted(None if context is None else context_range(context), fed).copy()
+
+    def _accepted(self, span: int | None, fed: bool) -> np.ndarray:
+        """`acceptance` at range `span` (None: every range), kept until the counters change (not to be written)."""
+        key = (span, fed)
+        if key not in self._accepting:
+            if span is not None:
+                a = self._shrunk(fed, span, self._accepted(None, fed))
+            elif fed:
+                a = self._shrunk(True, None, self._recorded, self._recorded_weight)
+            else:
+                a = self._shrunk(False, None, self._accepted(None, True))
+            self._accepting[key] = a
+        return self._accepting[key]
 
     def _shrunk(self, fed: bool, span: int | None, wider: np.ndarray, weight: float = PRIOR_ROW_CYCLES) -> np.ndarray:
         """The a_j of the counters at (`fed`, `span`), with `wider` as a prior worth `weight` row-cycles, its deeper
@@ -193,11 +211,12 @@ class DraftPolicy:
         if (fed, span) not in self._counts:
             return wider
         reached, accepted = self._counts[fed, span]
-        weights, prior = np.where(np.isfinite(wider), weight, 0.0), np.nan_to_num(wider)
-        own = conditional_acceptance(reached + weights, accepted + weights * prior)
+        known = np.isfinite(wider)
+        weights, prior = np.where(known, weight, 0.0), np.where(known, wider, 0.0)
+        own = _ratio(reached + weights, accepted + weights * prior)
         if prior[0] > 0:  # then own[0] is finite (the prior weighs in)
             prior[1:] = np.minimum(prior[1:] * own[0] / prior[0], 1.0)
-            own = conditional_acceptance(reached + weights, accepted + weights * prior)
+            own = _ratio(reached + weights, accepted + weights * prior)
         return own
 
     def _counted(self, fed: bool, span: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -213,14 +232,17 @@ class DraftPolicy:
         if t is None:
             return None
         fed = generating if fed is None else fed
-        return (fed * self._tokens(shape, context, True) + (generating - fed) * self._tokens(shape, context, False)) / t
+        tokens = [n * self._tokens(shape, context, f) for n, f in ((fed, True), (generating - fed, False)) if n]
+        return (tokens[0] + tokens[1] if len(tokens) == 2 else tokens[0] if tokens else 0.0) / t
 
     def _tokens(self, shape: DraftShape, context: int, fed: bool) -> float:
         """E: the tokens a cycle of `shape` yields per row (fed or not), `context` positions long."""
+        if shape.plain:
+            return 1.0
         key = (shape.num_steps, context_range(context), fed)
         if key not in self._expected:  # once per depth and range between observations (the scheduler's per step)
-            a = np.nan_to_num(self.acceptance(context, fed), nan=UNKNOWN_ACCEPTANCE)
-            self._expected[key] = expected_tokens(a, shape.num_steps)
+            a = self._accepted(key[1], fed)
+            self._expected[key] = expected_tokens(np.where(np.isnan(a), UNKNOWN_ACCEPTANCE, a), shape.num_steps)
         return self._expected[key]
 
     def _cycle(self, shape: DraftShape, rows: int, span: int) -> float | None:
@@ -241,7 +263,7 @@ class DraftPolicy:
             if (s, rows, span) in self.cycle_seconds and (s, rows, near) in self.cycle_seconds
         ]
         t = self.cycle_seconds[shape, rows, near]
-        return t * float(np.median(ratios)) if ratios else t
+        return t * statistics.median(ratios) if ratios else t
 
     def choose(self, rows: int, generating: int, context: int = 0, fed: int | None = None) -> DraftShape:
         """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating and `fed`
@@ -275,8 +297,9 @@ class DraftPolicy:
         has measured a fed row, one row only: the first rows a fresh server serves are not fed, and a chain on them
         measures a lower acceptance than a fed row's, which would keep every next row unfed; where the recorded
         acceptance a fed row is predicted by is of other prompts, more would pay for it), or where the last
-        FEED_EVERY - 1 admissions (`admitted`) were not fed."""
-        if self._measured_online and self._unfed >= FEED_EVERY - 1:
+        FEED_EVERY - 1 admissions (`admitted`) were not fed (twice as many in each next context range of the prompt:
+        feeding a longer prompt costs more)."""
+        if self._measured_online and self._unfed >= (FEED_EVERY << context_range(context)) - 1:
             return True
         learning = self._measured_online and not self._fed_online
         return not (learning and self._fed_any) and self._drafter_pays(context, rows)
@@ -328,6 +351,8 @@ class DraftPolicy:
             for shape in self.shapes:
                 idle = (shape, segment.rows, span)
                 self._idle[idle] = 0.0 if shape == segment.draft else self._idle.get(idle, 0.0) + seconds
+        if not any(delta.reached[: self.depth]):  # a plain segment: nothing to count
+            return
         counted = np.asarray([delta.reached, delta.accepted], np.float64)[:, : self.depth]
         apart = np.zeros_like(counted) if unfed is None else np.asarray(unfed, np.float64)[:, : self.depth]
         for fed, (reached, accepted) in ((True, np.maximum(counted - apart, 0.0)), (False, apart)):
@@ -338,7 +363,12 @@ class DraftPolicy:
             for key in ((fed, None), (fed, span)):
                 before = self._counted(*key)
                 self._counts[key] = (DECAY * before[0] + reached, DECAY * before[1] + accepted)
-            self._expected.clear()
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drop what was worked out from the acceptance counters (they changed)."""
+        self._expected.clear()
+        self._accepting.clear()
 
     def _rescale_calibrated(self, rows: int, span: int) -> None:
         """The shapes at (`rows`, the first range) timed at warm-up only: their warm-up T times the median of how
@@ -357,12 +387,17 @@ class DraftPolicy:
             return
         for s in self.shapes:
             if (s, rows) in self._calibrated and (s, rows, 0) not in self._online:
-                self.cycle_seconds[s, rows, 0] = self._calibrated[s, rows] * float(np.median(moved))
+                self.cycle_seconds[s, rows, 0] = self._calibrated[s, rows] * statistics.median(moved)
 
     def _measured(self, key: tuple[DraftShape, int, int], seconds_per_cycle: float) -> None:
         recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
         recent.append(seconds_per_cycle)
-        self.cycle_seconds[key] = float(np.median(recent))
+        self.cycle_seconds[key] = statistics.median(recent)  # not numpy's: ~20x its time on a few floats
+
+
+def _ratio(reached: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """`conditional_acceptance` of counters known to be valid, without its checks (the policy's every step)."""
+    return np.where(reached > 0, accepted / np.where(reached > 0, reached, 1), np.nan)
 
 
 class Scripted:

@@ -479,6 +479,25 @@ def test_rows_are_fed_the_drafter_where_a_chain_measured_on_the_traffic_pays(acc
     assert DraftPolicy((CHAIN,), cycles=4).feeds_drafter() and DraftPolicy((PLAIN,), cycles=4).feeds_drafter()
 
 
+@pytest.mark.parametrize(
+    ("prompt", "every"),
+    [(1, FEED_EVERY), (CONTEXT_RANGE, FEED_EVERY), (CONTEXT_RANGE + 1, 2 * FEED_EVERY),
+     (3 * CONTEXT_RANGE, 2 * FEED_EVERY), (4 * CONTEXT_RANGE + 1, 4 * FEED_EVERY)],
+)  # fmt: skip
+def test_longer_prompts_are_fed_all_the_same_less_often(prompt, every):
+    """Where no chain pays, the admission fed all the same is every FEED_EVERY-th for a prompt in the first context
+    range and twice as far apart in each next one (feeding a prompt 4x longer costs ~4x as much)."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    loop.run(policy, PLAIN, 0.01, 0)
+    policy.admitted(True)
+    loop.run(policy, CHAIN, 0.02, 0)
+    fed = []
+    for _ in range(2 * every):
+        fed.append(policy.feeds_drafter(prompt))
+        policy.admitted(fed[-1])
+    assert fed == ([False] * (every - 1) + [True]) * 2
+
+
 def test_a_recorded_acceptance_chooses_shapes_but_feeds_no_row():
     """With tune.json's acceptance (`prior`) and warm-up times, the first segment runs the chain the prior predicts
     fastest, but rows are fed only once a chain has measured the drafter on this traffic (a recorded acceptance is of
@@ -630,18 +649,19 @@ def test_a_long_context_that_stops_paying_goes_plain_while_short_ones_keep_specu
 def test_a_long_prompt_is_not_fed_the_drafter_where_chains_do_not_pay_at_long_contexts():
     """Whether a row is fed the drafter at prefill is decided in its prompt's context range: the chain accepts every
     draft at short contexts and nothing at long ones (where its cycle also costs 2x): a short prompt is fed, a long
-    one is not (but for every FEED_EVERY-th admission)."""
+    one is not (but for every admission the cadence for its range feeds all the same)."""
     policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
     for shape, accepted, context, seconds_per_cycle in [(CHAIN, 0, LONG, 0.04)] * 10 + [(PLAIN, 0, LONG, 0.02)] * 2:
         loop.run(policy, shape, seconds_per_cycle, accepted, context=context)
     for shape, seconds_per_cycle in [(CHAIN, 0.02)] * 10 + [(PLAIN, 0.01)] * 2:
         loop.run(policy, shape, seconds_per_cycle, NUM_STEPS, context=SHORT)
     assert policy.feeds_drafter(SHORT) and policy.feeds_drafter(SHORT + CONTEXT_RANGE)  # the nearest range: short
+    every = FEED_EVERY * 2 ** context_range(LONG)
     fed = []
-    for _ in range(FEED_EVERY):
+    for _ in range(every):
         fed.append(policy.feeds_drafter(LONG))
         policy.admitted(fed[-1])
-    assert fed == [False] * (FEED_EVERY - 1) + [True]
+    assert fed == [False] * (every - 1) + [True]
 
 
 def test_a_context_range_not_measured_yet_is_predicted_from_the_nearest_one():
