@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import prompt_sets  # this directory (run as a script)
-from serve_engine import load_text
+from serve_engine import as_served, load_text
 from serve_fresh import CASES, CONCURRENCY, fresh_engines, in_child, served
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the round's lockstep order
     prompt_sets.add_arguments(p, count=16, max_tokens=128)
     args = p.parse_args()
+    left_out = as_served()  # the children (one per round) inherit it
     if args.child:
         print(json.dumps(one_round(args)), flush=True)
         return
@@ -60,6 +61,7 @@ def main() -> None:
         "command": f"python benchmarks/serve_fresh_breakdown.py --max-tokens {args.max_tokens} --concurrency "
         f"{args.concurrency} --case '{args.case}' --rounds {args.rounds} --int4-experts {args.int4_experts} "
         f"{prompt_sets.flags(args)}",
+        "environment_left_out": left_out,
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

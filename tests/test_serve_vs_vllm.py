@@ -95,7 +95,8 @@ def test_servers_start_without_the_test_suites_simulated_mesh_setting(monkeypatc
 
 
 def test_in_process_benchmarks_drop_the_test_suites_simulated_mesh_setting(monkeypatch):
-    # serve_long_context.py, serve_fresh.py (and its children) and serve_k0_tax.py run their engines in-process: they
+    # serve_long_context.py, serve_fresh.py, serve_fresh_breakdown.py (each with its children) and serve_k0_tax.py run
+    # their engines in-process: they
     # drop it from their own environment before JAX starts, and their records say what they dropped
     import serve_engine
 
@@ -104,6 +105,6 @@ def test_in_process_benchmarks_drop_the_test_suites_simulated_mesh_setting(monke
     assert serve_engine.as_served() == ["PJRT_NPROC"]
     assert "PJRT_NPROC" not in serve_engine.os.environ and serve_engine.os.environ["JAXSPEC_SOMETHING_ELSE"] == "kept"
     assert serve_engine.as_served() == []
-    for script in ("serve_long_context.py", "serve_fresh.py", "serve_k0_tax.py"):
-        main = (Path(__file__).resolve().parent.parent / "benchmarks" / script).read_text().split("def main(")[1]
-        assert main.index("as_served()") < main.index("from jaxspec"), script  # before the engines are built
+    for script in ("serve_long_context.py", "serve_fresh.py", "serve_fresh_breakdown.py", "serve_k0_tax.py"):
+        text = (Path(__file__).resolve().parent.parent / "benchmarks" / script).read_text()
+        assert "args = p.parse_args()\n    left_out = as_served()" in text, script  # before anything starts JAX
