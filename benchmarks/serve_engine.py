@@ -37,7 +37,7 @@ def as_served() -> list[str]:
     """Drop the test-only settings (serve_load.TEST_ONLY_ENV: the test suite's PJRT_NPROC) from this process's
     environment, as `jaxspec serve` runs without them; call before JAX starts its CPU client (a child process started
     after it inherits the change). Returns the names it dropped (a record's "environment_left_out": the in-process
-    records before 2026-12-07 evening ran with PJRT_NPROC=32 inherited, every engine alike)."""
+    records before 2026-12-07, night, ran with PJRT_NPROC=32 inherited, every engine alike)."""
     from serve_load import TEST_ONLY_ENV
 
     return [name for name in TEST_ONLY_ENV if os.environ.pop(name, None) is not None]

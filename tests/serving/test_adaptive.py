@@ -479,6 +479,24 @@ def test_rows_are_fed_the_drafter_where_a_chain_measured_on_the_traffic_pays(acc
     assert DraftPolicy((CHAIN,), cycles=4).feeds_drafter() and DraftPolicy((PLAIN,), cycles=4).feeds_drafter()
 
 
+def test_the_acceptance_kept_between_segments_follows_the_counters_and_is_not_the_callers():
+    """The policy works a range's a_j out once per change of its counters (`observe`, `prior`): what it answers moves
+    with every drafting segment, and an answer the caller writes to changes nothing it answers next."""
+    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
+    policy.prior([0.9] * NUM_STEPS)
+    first = policy.acceptance(100)
+    np.testing.assert_allclose(first, [0.9] * NUM_STEPS)
+    first[:] = 0.0
+    np.testing.assert_allclose(policy.acceptance(100), [0.9] * NUM_STEPS)
+    loop.run(policy, CHAIN, 0.02, 0)  # a chain that accepts nothing
+    after = policy.acceptance(100)
+    assert after[0] < 0.9 and policy.predict(CHAIN, 2, 2, 100) == pytest.approx(
+        2 * (1 + after[0] + after[0] * after[1] + after[0] * after[1] * after[2]) / 0.02
+    )
+    policy.prior([0.5] * NUM_STEPS)
+    assert policy.acceptance(100)[0] < after[0]
+
+
 @pytest.mark.parametrize(
     ("prompt", "every"),
     [(1, FEED_EVERY), (CONTEXT_RANGE, FEED_EVERY), (CONTEXT_RANGE + 1, 2 * FEED_EVERY),
