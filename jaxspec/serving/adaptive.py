@@ -101,7 +101,7 @@ FEED_EVERY = 16  # ... and then every FEED_EVERY-th admission all the same (a fe
 # 1.25x an unfed one's on the bundled pair, so this costs ~1.5% of prefill where no chain pays: under the 2% share
 # that exploring takes; a drafter of 1 layer beside a 61-layer target makes it nothing), twice as few in each next
 # context range of the prompt (a prompt 4x longer costs ~4x as much to feed, and its prefill is more of its request:
-# at 1 row, 15% of a 128-token prompt's request of 64 tokens, 54% at 768 tokens and 73% at 1,792; so the forced feeds
+# at 1 row, 15% of a 128-token prompt's request of 64 tokens, 54% at 768 tokens and 75% at 1,792; so the forced feeds
 # cost about 0.3%, 0.5% and 0.3% of the load in the three ranges, where one in 16 took 1.1% at 768 and 1.2% at 1,792)
 PRIOR_ROW_CYCLES = 16  # the weight of a recorded acceptance (`prior`), in row-cycles of the loop's counters
 UNKNOWN_ACCEPTANCE = 0.5  # a_j predicted at a draft position nothing has measured or given
