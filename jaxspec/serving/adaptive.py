@@ -232,8 +232,8 @@ class DraftPolicy:
         if t is None:
             return None
         fed = generating if fed is None else fed
-        tokens = [n * self._tokens(shape, context, f) for n, f in ((fed, True), (generating - fed, False)) if n]
-        return (tokens[0] + tokens[1] if len(tokens) == 2 else tokens[0] if tokens else 0.0) / t
+        rows_by_kind = ((fed, True), (generating - fed, False))  # E of a kind no row is of is not worked out
+        return sum(n * self._tokens(shape, context, f) for n, f in rows_by_kind if n) / t
 
     def _tokens(self, shape: DraftShape, context: int, fed: bool) -> float:
         """E: the tokens a cycle of `shape` yields per row (fed or not), `context` positions long."""
