@@ -60,7 +60,11 @@ fed, and their chains measure an unfed row's acceptance: with the two counted to
 first request ended with the chain predicted at 1.07x plain decoding in one run, and under 1 in two runs of seven, where
 every next request went unfed and plain, 0.86 of the chain; one row, as the recorded acceptance a fed row is then
 predicted by can be of other prompts: with every other row fed on it, the fresh-server benchmark's HumanEval load at 8
-rows fell to 0.887 of plain decoding in its one run, against 0.936-0.953 before). Else its prefill runs no drafter at
+rows fell to 0.887 of plain decoding in its one run, against 0.936-0.953 before), and that row, as every FEED_EVERY-th
+admission until then, only where a chain is predicted over the rows it joins as they are (it fed, the others fed or
+not as they were: a segment's E is its rows' mean; a row fed beside unfed rows whose acceptance keeps the bucket plain
+sees no chain, and the fresh-server benchmark's HumanEval load at 8 rows paid its drafter's prefill, 1.3-2.0% of the
+load, for none). Else its prefill runs no drafter at
 all (a chain that later runs on the row drafts from the prompt's last position on: the drafter-alone step at prefill
 took 8.7% of a prefill program over 8 unfed rows). The drafter's prefill over the whole prompt is a cost paid for chains
 (`python benchmarks/serve_feed.py`, bundled pair, 128-token prompts: 16-18% of a fed prompt's prefill; a long prompt's
@@ -134,6 +138,8 @@ class DraftPolicy:
         self.depth = max(s.num_steps for s in shapes)
         self.cycle_seconds: dict[tuple[DraftShape, int, int], float] = {}  # (shape, row bucket, range) -> T
         self._recent: dict[tuple[DraftShape, int, int], collections.deque] = {}
+        self._timed: collections.Counter[tuple[DraftShape, int]] = collections.Counter()  # (shape, bucket) -> times
+        self._cycles: dict[int, dict[tuple[DraftShape, int], float | None]] = {}  # bucket -> `_cycle`s there
         # (fed, context range or None: every range) -> the decayed (reached, accepted) counters of the rows fed the
         # drafter at prefill (fed; with the prior) or not: a chain accepts less on a row not fed
         self._counts: dict[tuple[bool, int | None], tuple[np.ndarray, np.ndarray]] = {}
@@ -248,7 +254,13 @@ class DraftPolicy:
     def _cycle(self, shape: DraftShape, rows: int, span: int) -> float | None:
         """T of `shape` at (`rows`, range `span`), as at the nearest range measured at that bucket (by any shape); a
         shape not measured there: its T at its own nearest range, scaled by the median ratio of the T of the shapes
-        measured at both ranges (1 where none was)."""
+        measured at both ranges (1 where none was). Kept until a time changes (the scheduler asks every step)."""
+        kept = self._cycles.setdefault(rows, {})
+        if (shape, span) not in kept:
+            kept[shape, span] = self._worked_out_cycle(shape, rows, span)
+        return kept[shape, span]
+
+    def _worked_out_cycle(self, shape: DraftShape, rows: int, span: int) -> float | None:
         spans = {q for _, b, q in self.cycle_seconds if b == rows}
         if not spans:
             return None
@@ -268,7 +280,7 @@ class DraftPolicy:
     def choose(self, rows: int, generating: int, context: int = 0, fed: int | None = None) -> DraftShape:
         """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating and `fed`
         of those fed the drafter at prefill (None: all), the longest `context` positions long."""
-        timed = {s: sum(len(d) for (x, b, _), d in self._recent.items() if (x, b) == (s, rows)) for s in self.shapes}
+        timed = {s: self._timed[s, rows] for s in self.shapes}
         predicted = {s: self.predict(s, rows, generating, context, fed) for s in self.shapes if timed[s]}
         best = max(predicted.values(), default=None)
         close = lambda s: predicted[s] >= LOSING * best
@@ -287,32 +299,37 @@ class DraftPolicy:
                     shape = other
                     break
         self.probing = timed[shape] > 0 and not self._measured_online and not shape.plain
-        self.predicted = self.predict(shape, rows, generating, context, fed)
+        self.predicted = predicted.get(shape)
         return shape
 
-    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
+    def feeds_drafter(self, context: int = 0, rows: int | None = None, fed: int | None = None) -> bool:
         """Whether a row admitted now, its prompt `context` tokens long, served beside others in a bucket of `rows`
-        rows in all (None: at any bucket), is fed the drafter at prefill, once a chain has measured the drafter on
-        this traffic: where a chain is predicted at FEED x plain decoding or more there on a fed row (but until a chain
-        has measured a fed row, one row only: the first rows a fresh server serves are not fed, and a chain on them
-        measures a lower acceptance than a fed row's, which would keep every next row unfed; where the recorded
-        acceptance a fed row is predicted by is of other prompts, more would pay for it), or where the last
-        FEED_EVERY - 1 admissions (`admitted`) were not fed (twice as many in each next context range of the prompt:
-        feeding a longer prompt costs more)."""
-        if self._measured_online and self._unfed >= (FEED_EVERY << context_range(context)) - 1:
-            return True
+        rows in all (None: at any bucket), `fed` of the others fed the drafter at prefill (None: not said), is fed
+        the drafter at prefill, once a chain has measured the drafter on this traffic: where a chain is predicted at
+        FEED x plain decoding or more there on a fed row, or where the last FEED_EVERY - 1 admissions (`admitted`)
+        were not fed (twice as many in each next context range of the prompt: feeding a longer prompt costs more).
+        But until a chain has measured a fed row, one row only (the first rows a fresh server serves are not fed,
+        and a chain on them measures a lower acceptance than a fed row's, which would keep every next row unfed;
+        where the recorded acceptance a fed row is predicted by is of other prompts, more would pay for it), and
+        that one, as every FEED_EVERY-th, only where a chain is predicted over the rows it joins as they are (it
+        fed, the others as `fed` says): a row fed to be measured beside unfed rows whose acceptance keeps the
+        bucket plain sees no chain (a fresh server's HumanEval load at 8 rows fed one for 1.3-2.0% of its time)."""
         learning = self._measured_online and not self._fed_online
-        return not (learning and self._fed_any) and self._drafter_pays(context, rows)
+        beside = fed if learning and rows is not None else None
+        if self._measured_online and self._unfed >= (FEED_EVERY << context_range(context)) - 1:
+            return beside is None or self._drafter_pays(context, rows, beside)
+        return not (learning and self._fed_any) and self._drafter_pays(context, rows, beside)
 
     def admitted(self, fed: bool) -> None:
         """A row was admitted, fed the drafter at prefill or not."""
         self._unfed = 0 if fed else self._unfed + 1
         self._fed_any = self._fed_any or fed
 
-    def _drafter_pays(self, context: int, rows: int | None) -> bool:
+    def _drafter_pays(self, context: int, rows: int | None, beside: int | None = None) -> bool:
         """Some chain predicted at FEED x plain decoding's throughput or more on a fed row, `context` positions long,
         at the bucket of `rows` rows or the nearest one where both were timed (None: at any), with an acceptance
-        measured online (else False); True where no bucket has both timed yet."""
+        measured online (else False); True where no bucket has both timed yet. `beside`: the row is served with the
+        others there, `beside` of them fed (a segment's E is its rows' mean), not alone."""
         plain = [s for s in self.shapes if s.plain]
         chains = [s for s in self.shapes if not s.plain]
         if not plain or not chains:
@@ -321,8 +338,10 @@ class DraftPolicy:
             return False
         pays = {}
         for bucket in {bucket for _, bucket, _ in self.cycle_seconds}:
-            base = self.predict(plain[0], bucket, 1, context)
-            drafted = [self.predict(s, bucket, 1, context) for s in chains]
+            n = 1 if beside is None else min(rows, bucket)
+            f = min(1 + (beside or 0), n)
+            base = self.predict(plain[0], bucket, n, context)
+            drafted = [self.predict(s, bucket, n, context, f) for s in chains]
             if base is not None and None not in drafted:
                 pays[bucket] = max(drafted) >= FEED * base
         if not pays or rows is None:
@@ -388,11 +407,14 @@ class DraftPolicy:
         for s in self.shapes:
             if (s, rows) in self._calibrated and (s, rows, 0) not in self._online:
                 self.cycle_seconds[s, rows, 0] = self._calibrated[s, rows] * statistics.median(moved)
+        self._cycles.pop(rows, None)
 
     def _measured(self, key: tuple[DraftShape, int, int], seconds_per_cycle: float) -> None:
         recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
+        self._timed[key[:2]] += len(recent) < RECENT  # measurements kept at (shape, bucket), over the ranges
         recent.append(seconds_per_cycle)
         self.cycle_seconds[key] = statistics.median(recent)  # not numpy's: ~20x its time on a few floats
+        self._cycles.pop(key[1], None)  # a bucket's T are worked out from its own times only
 
 
 def _ratio(reached: np.ndarray, accepted: np.ndarray) -> np.ndarray:
@@ -418,7 +440,7 @@ class Scripted:
     ) -> None:
         pass
 
-    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
+    def feeds_drafter(self, context: int = 0, rows: int | None = None, fed: int | None = None) -> bool:
         return self.feed
 
     def admitted(self, fed: bool) -> None:
@@ -441,7 +463,7 @@ class Calibration:
     def choose(self, rows: int, generating: int, context: int = 0, fed: int | None = None) -> DraftShape:
         return self.shape
 
-    def feeds_drafter(self, context: int = 0, rows: int | None = None) -> bool:
+    def feeds_drafter(self, context: int = 0, rows: int | None = None, fed: int | None = None) -> bool:
         return context == self.fed_prompt
 
     def admitted(self, fed: bool) -> None:

@@ -635,6 +635,28 @@ def test_a_fresh_server_s_unfed_first_rows_do_not_keep_the_next_rows_unfed(fed_a
     assert fed == ([True] * FEED_EVERY if fed_accepted else [False] * (FEED_EVERY - 1) + [True])
 
 
+@pytest.mark.parametrize("beside", range(8))
+def test_until_a_fed_row_is_measured_a_row_is_fed_only_where_a_chain_would_run_over_the_rows_it_joins(beside):
+    """A fresh server's 8 first rows, not fed, run a chain that accepts nothing on them, and go plain. A row admitted
+    then, to measure a fed row's acceptance, joins 7 others: with the recorded acceptance (E 3.44 at 2x a plain
+    cycle, an unfed row's 1.02) a chain would run over them only where 3 of them or more are fed too (a segment's E
+    is its rows' mean), so
+    it is fed where the policy would choose the chain over that mix, else not (a fed row that no chain serves costs
+    its drafter's prefill for nothing), and the FEED_EVERY-th admission no more; asked alone (a bucket of 1, or
+    with the others not said) it is fed."""
+    policy, loop = fresh_policy(rows=8), Loop()
+    for _ in range(3):
+        loop.run(policy, CHAIN, 0.02, 0, rows=8, unfed=8, unfed_accepted=0)
+    assert policy.choose(8, 8, fed=0) == PLAIN
+    runs = policy.choose(8, 8, fed=beside + 1) == CHAIN
+    assert runs == (beside >= 3), "E over 8 rows: (f 3.44 + (8 - f) 1.02) / 8 >= 2 from f = 4 fed rows"
+    assert policy.feeds_drafter(rows=8, fed=beside) == runs
+    assert policy.feeds_drafter(rows=1, fed=0) and policy.feeds_drafter(rows=8)
+    for _ in range(FEED_EVERY - 1):
+        policy.admitted(False)
+    assert policy.feeds_drafter(rows=8, fed=beside) == runs
+
+
 SHORT, LONG = 100, 16 * CONTEXT_RANGE  # live lengths in the first context range and two ranges further
 
 

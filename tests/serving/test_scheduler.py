@@ -437,6 +437,7 @@ class Recording:
     def __init__(self, feed=lambda context: True):
         self.chosen, self.observed, self.fed, self.feed = [], [], [], feed
         self.generating, self.counted = [], []  # (generating, fed) asked; (the loop's counters, unfed) told
+        self.beside = []  # the fed rows a new row joins, as asked
 
     def choose(self, rows, generating, context, fed):
         self.chosen.append(context)
@@ -447,8 +448,9 @@ class Recording:
         self.observed.append(context)
         self.counted.append((counters, unfed))
 
-    def feeds_drafter(self, context, rows=None):
+    def feeds_drafter(self, context, rows=None, fed=None):
         self.fed.append((context, rows))
+        self.beside.append(fed)
         return self.feed(context)
 
     def admitted(self, fed):
@@ -497,6 +499,7 @@ def test_the_policy_is_asked_whether_to_feed_a_row_at_the_rows_it_will_be_served
     policy.fed.clear()
     step(scheduler, executor)
     assert policy.fed == [(10, 4)]  # the fifth, beside 3 rows and before the sixth: the slots hold 4 at most
+    assert policy.beside[-1] == 3  # ... all fed the drafter (this policy feeds every row)
 
 
 def test_the_policy_learns_fed_and_unfed_rows_acceptance_apart():
