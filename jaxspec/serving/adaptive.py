@@ -64,20 +64,19 @@ rows fell to 0.887 of plain decoding in its one run, against 0.936-0.953 before)
 admission until then, only where a chain is predicted over the rows it joins as they are (it fed, the others fed or
 not as they were: a segment's E is its rows' mean; a row fed beside unfed rows whose acceptance keeps the bucket plain
 sees no chain, and the fresh-server benchmark's HumanEval load at 8 rows paid its drafter's prefill, 1.3-2.0% of the
-load, for none). Else its prefill runs no drafter at
-all (a chain that later runs on the row drafts from the prompt's last position on: the drafter-alone step at prefill
-took 8.7% of a prefill program over 8 unfed rows). The drafter's prefill over the whole prompt is a cost paid for chains
-(`python benchmarks/serve_feed.py`, bundled pair, 128-token prompts: 16-18% of a fed prompt's prefill; a long prompt's
-prefill is most of its request's time), for 3-7% more tokens per chain cycle (E 1.97 against 1.85 on HumanEval, 4.17
-against 4.04 on the held-out files); and a recorded acceptance is of other prompts (tune.json's first position: 0.93 on
-the held-out files, 0.46 measured on HumanEval), so a fresh server fed its first rows for a chain that then lost. Chains
-on an unfed row draft with no drafter entries for its prompt: lossless, at that lower acceptance (counted apart); so
-once a chain has measured the drafter on this traffic, every FEED_EVERY-th admission is fed all the same (every
-2 x FEED_EVERY-th for a prompt in the next context range, and so on), and chains
-keep measuring a fed row's acceptance on traffic that changes. (Not before: until then no chain runs but a first one, at
-once where one is predicted to win, else after seconds of exploring's wait, which a row fed now would not live to see;
-on a fresh server with a drafter that accepts nothing, the 16th request's prefill fed for no chain was 1.8% of the load
-at 8 rows.)
+load, for none). Else its prefill runs no drafter at all (a chain that later runs on the row drafts from the prompt's
+last position on: the drafter-alone step at prefill took 8.7% of a prefill program over 8 unfed rows). The drafter's
+prefill over the whole prompt is a cost paid for chains (`python benchmarks/serve_feed.py`, bundled pair, 128-token
+prompts: 16-18% of a fed prompt's prefill; a long prompt's prefill is most of its request's time), for 3-7% more
+tokens per chain cycle (E 1.97 against 1.85 on HumanEval, 4.17 against 4.04 on the held-out files); and a recorded
+acceptance is of other prompts (tune.json's first position: 0.93 on the held-out files, 0.46 measured on HumanEval),
+so a fresh server fed its first rows for a chain that then lost. Chains on an unfed row draft with no drafter entries
+for its prompt: lossless, at that lower acceptance (counted apart); so once a chain has measured the drafter on this
+traffic, every FEED_EVERY-th admission is fed all the same (every 2 x FEED_EVERY-th for a prompt in the next context
+range, and so on), and chains keep measuring a fed row's acceptance on traffic that changes. (Not before: until then
+no chain runs but a first one, at once where one is predicted to win, else after seconds of exploring's wait, which a
+row fed now would not live to see; on a fresh server with a drafter that accepts nothing, the 16th request's prefill
+fed for no chain was 1.8% of the load at 8 rows.)
 """
 
 from __future__ import annotations

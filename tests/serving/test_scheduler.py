@@ -437,7 +437,7 @@ class Recording:
     def __init__(self, feed=lambda context: True):
         self.chosen, self.observed, self.fed, self.feed = [], [], [], feed
         self.generating, self.counted = [], []  # (generating, fed) asked; (the loop's counters, unfed) told
-        self.beside = []  # the fed rows a new row joins, as asked
+        self.beside, self.slots = [], None  # the fed rows a new row joins, as asked (and as the slots hold: `slots`)
 
     def choose(self, rows, generating, context, fed):
         self.chosen.append(context)
@@ -450,7 +450,7 @@ class Recording:
 
     def feeds_drafter(self, context, rows=None, fed=None):
         self.fed.append((context, rows))
-        self.beside.append(fed)
+        self.beside.append(fed if self.slots is None else (fed, sum(s.drafter for s in self.slots if s is not None)))
         return self.feed(context)
 
     def admitted(self, fed):
@@ -509,6 +509,7 @@ def test_the_policy_learns_fed_and_unfed_rows_acceptance_apart():
     counters the fed ones'."""
     scheduler, executor = make(), FakeExecutor(Shape())
     scheduler.policy = policy = Recording(feed=lambda context: context % 2 == 0)
+    policy.slots = scheduler.slots
     requests = [Request([1] * (4 + i), 12, RowSpec(seed=i)) for i in range(6)]  # even seeds: fed
     for r in requests:
         scheduler.submit(r)
@@ -519,6 +520,7 @@ def test_the_policy_learns_fed_and_unfed_rows_acceptance_apart():
         if plan.segment is not None:
             asked.append((len(rows), sum(seed % 2 == 0 for seed in rows)))
     assert policy.generating == asked and any(0 < f < g for g, f in asked)  # segments over fed and unfed rows
+    assert all(said == held for said, held in policy.beside) and len({n for n, _ in policy.beside}) > 1  # feed asks
     totals = {True: [0] * 6, False: [0] * 6}  # (reached, accepted) per position, fed and not
     for request in requests:
         cycles, *accepted = executor.ledger[request.spec.seed][CHAIN.label]
