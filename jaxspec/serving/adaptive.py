@@ -410,7 +410,8 @@ class DraftPolicy:
 
     def _measured(self, key: tuple[DraftShape, int, int], seconds_per_cycle: float) -> None:
         recent = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
-        self._timed[key[:2]] += len(recent) < RECENT  # measurements kept at (shape, bucket), over the ranges
+        if len(recent) < RECENT:  # else the oldest goes: `_timed` counts the measurements kept, over the ranges
+            self._timed[key[:2]] += 1
         recent.append(seconds_per_cycle)
         self.cycle_seconds[key] = statistics.median(recent)  # not numpy's: ~20x its time on a few floats
         self._cycles.pop(key[1], None)  # a bucket's T are worked out from its own times only

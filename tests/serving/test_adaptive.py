@@ -640,10 +640,9 @@ def test_until_a_fed_row_is_measured_a_row_is_fed_only_where_a_chain_would_run_o
     """A fresh server's 8 first rows, not fed, run a chain that accepts nothing on them, and go plain. A row admitted
     then, to measure a fed row's acceptance, joins 7 others: with the recorded acceptance (E 3.44 at 2x a plain
     cycle, an unfed row's 1.02) a chain would run over them only where 3 of them or more are fed too (a segment's E
-    is its rows' mean), so
-    it is fed where the policy would choose the chain over that mix, else not (a fed row that no chain serves costs
-    its drafter's prefill for nothing), and the FEED_EVERY-th admission no more; asked alone (a bucket of 1, or
-    with the others not said) it is fed."""
+    is its rows' mean), so it is fed where the policy would choose the chain over that mix, else not (a fed row that
+    no chain serves costs its drafter's prefill for nothing), and the FEED_EVERY-th admission no more; asked alone (a
+    bucket of 1, or with the others not said) it is fed."""
     policy, loop = fresh_policy(rows=8), Loop()
     for _ in range(3):
         loop.run(policy, CHAIN, 0.02, 0, rows=8, unfed=8, unfed_accepted=0)
