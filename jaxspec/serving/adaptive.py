@@ -41,12 +41,7 @@ Learning what a shape costs costs time where it loses, so:
   load of about 0.9 s);
 - a chain chosen before its acceptance was measured on this traffic (on a recorded or unknown acceptance) runs a probe
   of one cycle (`probing`, a segment that is timed as no other), so that a prior of other prompts costs one cycle where
-  the traffic disagrees (on HumanEval the bundled chain's first segment over 8 rows took 2.7x a plain one's); and it
-  is predicted as that probe, not per cycle of a whole segment: its tokens over its time as the warm-up timed one
-  (`calibrate(probe=)`: a cycle over rows just prefilled, with their catch-up and what any segment pays once; on
-  the bundled pair 1.2-1.5 cycles' time), so a chain that wins narrowly per cycle on a prior does not probe (over 8
-  rows, tune.json's acceptance of other prompts predicted the probe's 9 tokens at 1.15x plain decoding's throughput;
-  it took 10.9 ms where a plain segment of 4 cycles took 12.5);
+  the traffic disagrees (on HumanEval the bundled chain's first segment over 8 rows took 2.7x a plain one's);
 - a candidate not yet timed at that bucket runs first; one timed fewer than FIRST times there (and not calibrated)
   runs again unless it is predicted below LOSING x the best (a single measurement would have to be over 1 / LOSING
   times too slow to hide the fastest shape); the candidates timed fewest times run first, so their measurements
@@ -160,7 +155,6 @@ class DraftPolicy:
         self._fed_online = False  # ... on rows fed the drafter at prefill
         self._fed_any = False  # a row has been fed the drafter at prefill
         self._calibrated: dict[tuple[DraftShape, int], float] = {}  # (shape, row bucket) -> T timed at warm-up
-        self.probe_cycles: dict[tuple[DraftShape, int], float] = {}  # ... -> a probe's time in cycles of that T
         self._recorded = np.full(self.depth, np.nan)  # the recorded a_j (`prior`; NaN: none given there) ...
         self._recorded_weight = 0.0  # ... and its weight in row-cycles, decayed as a fed row's counters are
         self._online: set[tuple[DraftShape, int, int]] = set()  # (shape, row bucket, range) timed by segments
@@ -180,22 +174,15 @@ class DraftPolicy:
         warm-up's dummy requests are not traffic)."""
         self._last = counters
 
-    def calibrate(self, shape: DraftShape, rows: int, seconds_per_cycle: float, probe: float | None = None) -> None:
+    def calibrate(self, shape: DraftShape, rows: int, seconds_per_cycle: float) -> None:
         """A cycle time of `shape` over a bucket of `rows` short rows (the first context range) measured before
-        serving (warm-up): the policy trusts it as FIRST online measurements (which then replace it). `probe`: the
-        seconds a probe of `shape` took there (a segment of one cycle over rows the drafter is behind on, as a fresh
-        server's first chain runs: its catch-up and what any segment pays once included); a drafting shape chosen
-        before the drafter is measured on the traffic is predicted as that probe, at probe / seconds_per_cycle times
-        its cycle time (None: one cycle's)."""
-        if shape not in self.shapes or not seconds_per_cycle > 0 or not (probe is None or probe > 0):
+        serving (warm-up): the policy trusts it as FIRST online measurements (which then replace it)."""
+        if shape not in self.shapes or not seconds_per_cycle > 0:
             raise ValueError(
-                f"DraftPolicy.calibrate: positive times of one of {self.shapes}, got {shape}, {seconds_per_cycle}, "
-                f"probe {probe}"
+                f"DraftPolicy.calibrate: a positive time of one of {self.shapes}, got {shape}, {seconds_per_cycle}"
             )
         self._measured((shape, rows, 0), seconds_per_cycle)
         self._calibrated[shape, rows] = seconds_per_cycle
-        if probe is not None and not shape.plain:
-            self.probe_cycles[shape, rows] = max(probe / seconds_per_cycle, 1.0)
 
     def acceptance(self, context: int | None = None, fed: bool = True) -> np.ndarray:
         """The decayed a_j per draft position (NaN where never reached) of rows fed the drafter at prefill (`fed`; the
@@ -293,9 +280,7 @@ class DraftPolicy:
         """The draft shape of the next segment over a bucket of `rows` rows, `generating` of them generating and `fed`
         of those fed the drafter at prefill (None: all), the longest `context` positions long."""
         timed = {s: self._timed[s, rows] for s in self.shapes}
-        probes = not self._measured_online  # then a drafting shape chosen runs a probe of one cycle, predicted as one
-        cost = {s: self.probe_cycles.get((s, rows), 1.0) if probes else 1.0 for s in self.shapes}
-        predicted = {s: self.predict(s, rows, generating, context, fed) / cost[s] for s in self.shapes if timed[s]}
+        predicted = {s: self.predict(s, rows, generating, context, fed) for s in self.shapes if timed[s]}
         best = max(predicted.values(), default=None)
         close = lambda s: predicted[s] >= LOSING * best
         learning = [
@@ -312,7 +297,7 @@ class DraftPolicy:
                 if other != shape and self._idle.get((other, rows, span), 0.0) * EXPLORE_SHARE >= segment:
                     shape = other
                     break
-        self.probing = timed[shape] > 0 and probes and not shape.plain
+        self.probing = timed[shape] > 0 and not self._measured_online and not shape.plain
         self.predicted = predicted.get(shape)
         return shape
 
@@ -466,15 +451,13 @@ class Calibration:
     """The scheduler's policy during the warm-up's runs of every program: every segment runs `shape` (set by the
     caller), no row is fed the drafter at prefill but those whose prompt is `fed_prompt` tokens long (a chain's
     first segment on a row runs its catch-up, as a fresh adaptive server's first chain does; the warm-up's fed rows
-    end at their prompt), and each segment that ran only cycles is timed per cycle by (shape, row bucket); while
-    `probing` (set by the caller), segments of one cycle, timed apart (`probe_seconds`)."""
+    end at their prompt), and each segment that ran only cycles is timed per cycle by (shape, row bucket)."""
 
-    predicted = None
+    predicted, probing = None, False
 
     def __init__(self, shape: DraftShape, fed_prompt: int | None = None):
-        self.shape, self.fed_prompt, self.probing = shape, fed_prompt, False
+        self.shape, self.fed_prompt = shape, fed_prompt
         self.times: dict[tuple[DraftShape, int], list[float]] = collections.defaultdict(list)
-        self.probes: dict[tuple[DraftShape, int], list[float]] = collections.defaultdict(list)
         self._last: Counters | None = None
 
     def choose(self, rows: int, generating: int, context: int = 0, fed: int | None = None) -> DraftShape:
@@ -492,15 +475,11 @@ class Calibration:
         cycles = counters.cycles - (self._last.cycles if self._last is not None else counters.cycles)
         self._last = counters
         if seconds is not None and cycles > 0:
-            (self.probes if self.probing else self.times)[(segment.draft, segment.rows)].append(seconds / cycles)
+            self.times[(segment.draft, segment.rows)].append(seconds / cycles)
 
     def seconds_per_cycle(self) -> dict[tuple[DraftShape, int], float]:
         """The median cycle time per (shape, row bucket) timed."""
         return {key: float(np.median(times)) for key, times in self.times.items()}
-
-    def probe_seconds(self) -> dict[tuple[DraftShape, int], float]:
-        """The median time of a probe per (shape, row bucket) probed."""
-        return {key: float(np.median(times)) for key, times in self.probes.items()}
 
 
 def measured_tokens_per_second(delta: Counters, seconds: float) -> float:

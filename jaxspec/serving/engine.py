@@ -35,7 +35,6 @@ from sharding.mesh import platform_of
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "Request", "StartupError"]
 log = logging.getLogger("jaxspec.serving")
-PROBES = 3  # warm-up rounds timing each drafting shape's probe per batch bucket (the median is kept)
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -279,13 +278,12 @@ class Engine:
         self.cancel(second)
         self.run_until_idle()
         used = f", {maps_in_use() - budget.start:,} memory maps (limit {budget.limit:,})" if budget else ""
-        times, probes = self._first_runs()
-        if times:  # (none where its dummy requests do not fit a slot)
+        if times := self._first_runs():  # (none where its dummy requests do not fit a slot)
             on_progress(f"  every segment program run over live rows ({time.perf_counter() - start:.1f}s)")
         policy = DraftPolicy(cfg.shapes, cfg.segment_cycles)  # the warm-up's times were compiles
         if len(cfg.shapes) > 1:  # a fresh server's first segments run the predicted best shape, not a guess
             for (shape, rows), t in times.items():
-                policy.calibrate(shape, rows, t, probes.get((shape, rows)))
+                policy.calibrate(shape, rows, t)
             if self.acceptance is not None:
                 policy.prior(self.acceptance)
         policy.since(self.executor.counters())
@@ -295,7 +293,7 @@ class Engine:
         on_progress(f"warm-up done: {programs.count} segment programs in {seconds:.1f}s{used}")
         return seconds
 
-    def _first_runs(self) -> tuple[dict, dict]:
+    def _first_runs(self) -> dict:
         """Every segment program run over live rows of every batch bucket, through the scheduler, once compiled:
         dummy requests fill each bucket in turn for each draft shape (a `Calibration` policy choosing it), greedy
         ones (the static-greedy program) then sampled ones (the per-row program), none fed the drafter at prefill (so
@@ -304,11 +302,7 @@ class Engine:
         bundled pair, 8 rows: a plain segment 28.6 ms then 12.6, a k = 4 chain 70.3 then 44, sampled 104 then 72;
         a chain's first catch-up 10 ms), which a fresh server's first requests paid. A dummy request runs one cycle
         (all a first run needs), but an adaptive engine's greedy ones two segments' tokens: their cycle time per
-        (shape, row bucket) is what its policy starts from (returned; nothing runs where they do not fit a slot), and
-        so is each drafting shape's probe (returned apart): PROBES rounds per bucket of its rows fresh, not fed, and
-        one cycle (a fresh server's first chain is that: one cycle and the catch-up of rows just prefilled; on the
-        bundled pair at 8 rows it took 10.9 ms where a plain segment of 4 cycles took 12.5, and its 9 tokens were
-        predicted as a cycle's of a 4-cycle segment, 1.15x plain decoding's throughput).
+        (shape, row bucket) is what its policy starts from (returned; nothing runs where they do not fit a slot).
 
         A segment program also runs the prefill chunks of rows admitted beside generating ones (a loop of its own in
         the program, whose first run cost as much: a plain segment over 8 rows with a 64-token chunk took 40.6 ms
@@ -319,7 +313,7 @@ class Engine:
         cfg, C = self.config, self.config.prefill_chunk
         tokens = 2 * cfg.segment_cycles * (cfg.draft.num_steps + 1) if len(cfg.shapes) > 1 else 2
         if self.check(3, tokens) is not None:
-            return {}, {}
+            return {}
         fed = C + 2  # the prompt length Calibration feeds the drafter
         late = (C + 1, fed) if len(cfg.shapes) > 1 else (C + 1,)
         late = tuple(m for m in late if cfg.max_batch > 1 and self.check(m, 1) is None)
@@ -338,16 +332,7 @@ class Engine:
                             self._dummy(request)
                         self.run_until_idle()
                         rounds += 1
-            timed.probing, self.scheduler.policy = True, timed
-            for shape in (s for s in cfg.shapes if not s.plain and len(cfg.shapes) > 1):
-                timed.shape = shape
-                for rows in cfg.buckets:
-                    for _ in range(PROBES):  # the prefill step, then the probe
-                        for request in _round(rows, cfg.max_batch, 2, passes[0][1], (), f"jaxspec warm-up {rounds}"):
-                            self._dummy(request)
-                        self.run_until_idle()
-                        rounds += 1
-            return timed.seconds_per_cycle(), timed.probe_seconds()
+            return timed.seconds_per_cycle()
         finally:
             self.scheduler.policy = real
 

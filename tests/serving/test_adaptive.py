@@ -310,30 +310,6 @@ def test_a_calibrated_policy_with_a_recorded_acceptance_runs_the_predicted_best_
         assert chosen[0] == (CHAIN, 1) and chosen[2:] == [(PLAIN, 4)] * 2, chosen  # (the prior: 16 row-cycles)
 
 
-@pytest.mark.parametrize(("probe", "first"), [(1.2, CHAIN), (2.0, PLAIN), (None, CHAIN)])
-def test_a_chain_chosen_on_the_prior_is_predicted_as_the_probe_it_runs(probe, first):
-    """Before a chain has measured the drafter on the traffic, choosing it runs a probe: one cycle, over rows the
-    drafter is behind on, whose time the warm-up measured (`calibrate(..., probe=)`: on the bundled pair at 8 rows
-    1.2-1.5 cycles' time, and a prior of other prompts predicted its 9 tokens at 1.15x plain decoding's throughput,
-    where the probe took 10.9 ms and a plain segment of 4 cycles 12.5). So it is predicted as that probe: the
-    recorded acceptance of 0.9 (E = 3.44) and a chain cycle 2x a plain one's win at 1.72x per cycle, and a probe
-    of 1.2 cycles' time still wins (1.43x: it runs, one cycle), one of 2 cycles' does not (0.86x: plain decoding
-    runs, and the chain waits for exploring); without a probe time, it is a cycle's. Once the drafter is measured
-    on the traffic, no chain is a probe, and each is predicted per cycle again."""
-    policy, loop = DraftPolicy((PLAIN, CHAIN), cycles=4), Loop()
-    policy.calibrate(PLAIN, 2, 0.01, probe=0.05)  # plain decoding is never a probe
-    policy.calibrate(CHAIN, 2, 0.02, probe=None if probe is None else 0.02 * probe)
-    policy.prior([0.9] * NUM_STEPS)
-    e = 1 + sum(0.9 ** (j + 1) for j in range(NUM_STEPS))
-    assert policy.predict(CHAIN, 2, 2) == pytest.approx(e / 2 * policy.predict(PLAIN, 2, 2))  # per cycle: 1.72x
-    assert policy.choose(2, 2) == first and policy.probing == (first == CHAIN)
-    as_run = (probe or 1.0) if first == CHAIN else 1.0
-    assert policy.predicted == pytest.approx(policy.predict(first, 2, 2) / as_run)
-    loop.run(policy, CHAIN, 0.02, NUM_STEPS, cycles=1)  # a probe (run as exploring would) accepts every draft
-    assert policy.choose(2, 2) == CHAIN and not policy.probing
-    assert policy.predicted == pytest.approx(policy.predict(CHAIN, 2, 2))
-
-
 def test_a_shape_timed_at_warm_up_alone_moves_with_the_shapes_timed_online():
     """Warm-up rows are short, the traffic's longer: a plain cycle timed online at 1.5x its warm-up time scales the
     chain's warm-up time (not timed online yet) by 1.5x too, at that bucket only, so the chain does not look faster
@@ -384,18 +360,13 @@ def test_a_calibrated_policy_without_a_recorded_acceptance_predicts_each_draft_h
 
 def test_the_warm_up_times_every_shape_at_every_batch_bucket(pair):
     """An adaptive engine's policy starts with a cycle time for every (shape, batch bucket), measured over live rows
-    after the programs compiled, and the chain's probe timed at every bucket (one cycle over rows just prefilled,
-    not fed: the catch-up and what any segment pays once make it more than a cycle), and with none of the warm-up's
-    dummy counters (a chain's acceptance unmeasured): its first choice is the shape of highest predicted throughput,
-    the chain's as the probe it would run."""
+    after the programs compiled, and with none of the warm-up's dummy counters (a chain's acceptance unmeasured)."""
     engine = warm_engine(pair, CONFIG)  # a fresh engine (its programs are the module's, compiled once)
     policy = engine.scheduler.policy
     assert set(policy.cycle_seconds) == {(s, b, 0) for s in (PLAIN, CHAIN) for b in CONFIG.buckets}
     assert all(t > 0 for t in policy.cycle_seconds.values())
-    assert set(policy.probe_cycles) == {(CHAIN, b) for b in CONFIG.buckets}
     assert np.isnan(policy.acceptance()).all() and np.isnan(policy.acceptance(fed=False)).all()
-    as_run = {PLAIN: 1.0, CHAIN: policy.probe_cycles[CHAIN, 2]}
-    assert policy.choose(2, 2) == max((PLAIN, CHAIN), key=lambda s: policy.predict(s, 2, 2) / as_run[s])
+    assert policy.choose(2, 2) == max((PLAIN, CHAIN), key=lambda s: policy.predict(s, 2, 2))
 
 
 @pytest.mark.slow  # test budget (the default suite reached 28 minutes): ~52 s of its own compiles; the placement
