@@ -357,7 +357,7 @@ class Scheduler:
             # echo scores every prompt position, so it reuses no cached prefix (that skipped their scores)
             # the rows it will be served with: those in slots, and the queue's (itself first) in the free ones
             rows = min(len(self.slots), len(self.slots) - self.slots.count(None) + queued)
-            fed = sum(1 for t in self.slots if t is not None and t.drafter)
+            fed = sum(t.drafter for t in self.slots if t is not None)  # fed rows in slots (`_segment`: running ones)
             drafter = self.policy.feeds_drafter(len(prompt), rows, fed)
             reach = self._next_reach(request)
             salt = request.spec.cache_salt
